@@ -1,0 +1,75 @@
+"""Priority bands and stride scheduling between teams inside a band.
+
+Bands are strict: lower priority value runs first and a band never dispatches while a lower one waits.
+Inside a band, stride scheduling gives each team a share proportional to its weight: every dispatch advances
+the team's pass by stride = BIG / weight and the lowest pass goes next. A team that becomes active again
+starts no lower than the band's current minimum pass, so idling cannot bank credit for a later burst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL
+
+BIG = 1 << 40  # large so that strides of realistic weights are exact integers, no float drift
+
+
+def band_of(priority: int | None, default: int) -> int:
+    """Clamp a requested priority into the known bands; None -> the team's default."""
+    if priority is None:
+        return default
+    return min(max(int(priority), PRIORITY_CRITICAL), PRIORITY_BATCH)
+
+
+def stride_of(weight: int) -> int:
+    assert weight >= 1, "weights are positive integers"
+    return BIG // weight
+
+
+@dataclass
+class StrideScheduler:
+    """Weighted fair order between the active teams of one band; callers say who is active."""
+
+    _active: dict[str, int] = field(default_factory=dict)  # team -> pass
+    _stride: dict[str, int] = field(default_factory=dict)
+    _last_pass: dict[str, int] = field(default_factory=dict)  # pass a team left with, kept as debt
+    _order: dict[str, int] = field(default_factory=dict)  # activation order, to break ties stably
+    _vtime: int = 0  # pass of the latest dispatch: the floor for a team joining an empty band
+    _seq: int = 0
+
+    def is_active(self, team: str) -> bool:
+        return team in self._active
+
+    def active(self) -> list[str]:
+        return list(self._active)
+
+    def activate(self, team: str, weight: int) -> None:
+        """Team has work queued. Joining starts at max(its old pass, the band's min pass)."""
+        self._stride[team] = stride_of(weight)
+        if team in self._active:
+            return
+        floor = min(self._active.values()) if self._active else self._vtime
+        self._active[team] = max(self._last_pass.get(team, 0), floor)
+        self._seq += 1
+        self._order[team] = self._seq
+
+    def deactivate(self, team: str) -> None:
+        """Team has nothing queued any more; its pass is remembered so leaving and rejoining gains nothing."""
+        if team in self._active:
+            self._last_pass[team] = self._active.pop(team)
+            self._order.pop(team, None)
+
+    def peek(self) -> str | None:
+        if not self._active:
+            return None
+        return min(self._active, key=lambda t: (self._active[t], self._order[t]))
+
+    def served(self, team: str) -> None:
+        """Team got one dispatch: advance its pass by its stride."""
+        assert team in self._active, f"{team} served while inactive"
+        self._vtime = self._active[team]
+        self._active[team] += self._stride[team]
+
+    def pass_of(self, team: str) -> int | None:
+        return self._active.get(team, self._last_pass.get(team))

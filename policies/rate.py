@@ -1,0 +1,104 @@
+"""Requests- and tokens-per-minute as a sliding window split into slots.
+
+A unit taken in slot k (slot width w = window/slots) is counted until slot k + slots has passed, so the
+counted span `[(k_now - slots) * w, now]` always covers the true window `[now - window, now]`. Hence in ANY
+interval of length `window` at most `limit` units are admitted (never the 2x burst of a token bucket at a
+window edge); the price is up to one slot width of extra waiting. Fixed memory (slots + 1 counters), and the
+same layout maps onto a Redis hash of slot counters for a shared backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlidingWindow:
+    limit: int
+    window_s: float = 60.0
+    slots: int = 60
+    _counts: deque = field(default_factory=deque, repr=False)  # [slot_index, units], oldest first
+    _used: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        assert self.limit >= 0 and self.window_s > 0 and self.slots >= 1
+
+    @property
+    def slot_s(self) -> float:
+        return self.window_s / self.slots
+
+    def _slot(self, now: float) -> int:
+        return math.floor(now / self.slot_s)
+
+    def _expire(self, now: float) -> None:
+        oldest_counted = self._slot(now) - self.slots
+        while self._counts and self._counts[0][0] < oldest_counted:
+            self._used -= self._counts.popleft()[1]
+
+    def used(self, now: float) -> int:
+        self._expire(now)
+        return self._used
+
+    def remaining(self, now: float) -> int:
+        return max(0, self.limit - self.used(now))
+
+    def fits(self, n: int, now: float) -> bool:
+        assert n >= 0
+        return self.used(now) + n <= self.limit
+
+    def take(self, n: int, now: float) -> bool:
+        """Check-and-take: take n units if they fit, else take nothing."""
+        if not self.fits(n, now):
+            return False
+        self.add(n, now)
+        return True
+
+    def add(self, n: int, now: float) -> None:
+        """Count n units at `now` unconditionally (an overshoot settled after the fact still counts)."""
+        assert n >= 0
+        self._expire(now)
+        if n == 0:
+            return
+        slot = self._slot(now)
+        if self._counts and self._counts[-1][0] >= slot:  # clock stepped back: count in the newest slot
+            self._counts[-1][1] += n
+        else:
+            self._counts.append([slot, n])
+        self._used += n
+
+    def refund(self, n: int, taken_at: float, now: float) -> int:
+        """Give back up to n units taken at `taken_at` (expired ones are gone); returns how many came back."""
+        assert n >= 0
+        self._expire(now)
+        slot = self._slot(taken_at)
+        for entry in self._counts:
+            if entry[0] == slot:
+                back = min(n, entry[1])
+                entry[1] -= back
+                self._used -= back
+                return back
+        return 0
+
+    def wait_s(self, n: int, now: float) -> float | None:
+        """Seconds until n units fit (0 if they fit now); None if they never can (n > limit)."""
+        if n > self.limit:
+            return None
+        used = self.used(now)
+        if used + n <= self.limit:
+            return 0.0
+        freed = 0
+        for slot, units in self._counts:
+            freed += units
+            if used - freed + n <= self.limit:
+                # slot stops being counted once the current slot index exceeds slot + slots
+                return max(0.0, (slot + self.slots + 1) * self.slot_s - now)
+        return self.window_s  # unreachable while the counters are consistent; a safe answer anyway
+
+    def reset_s(self, now: float) -> float:
+        """Seconds until the window is empty again (for `x-ratelimit-reset-*`)."""
+        self._expire(now)
+        if not self._counts:
+            return 0.0
+        return max(0.0, (self._counts[-1][0] + self.slots + 1) * self.slot_s - now)

@@ -1,0 +1,23 @@
+"""A reservation: what one admitted request holds against its team's counters until it settles."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Reservation:
+    team_id: str
+    tokens: int  # prompt_tokens + max_tokens, held on tpm and the day / month budgets
+    taken_at: float  # wall-clock seconds; identifies the rate-window slot and the budget periods
+    day_key: str
+    month_key: str
+    id: int = field(default_factory=lambda: next(_ids))
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* as of admission, for the response
+    settled: bool = False
+    actual_tokens: int | None = None  # prompt + completion once settled
+    overshoot: int = 0  # actual beyond `tokens`, charged in full
+    backend_id: str | None = None  # the hold's name in a shared backend (unique across replicas)
