@@ -1,0 +1,1 @@
+"""Paged-attention and KV-cache kernels: Triton on CUDA, torch reference elsewhere."""
