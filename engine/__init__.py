@@ -1,0 +1,1 @@
+"""tokenweir engine: paged-KV, continuous-batching inference for Llama-family models."""

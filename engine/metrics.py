@@ -1,0 +1,99 @@
+"""Prometheus metrics named like vLLM's (`vllm:` -> `tokenweir:`), on a registry of the engine's own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.llm_engine import LLMEngine, StepStats
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenweir:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenweir:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"tokenweir:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute) since start.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished (incl. aborted) requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished (incl. aborted) requests.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.request_success = Counter(
+            "tokenweir:request_success", "Finished requests by reason.", ["model_name", "finished_reason"], registry=r
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", REQUEST_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduling to first token.", REQUEST_BUCKETS
+        )
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
+        self.model_name = model_name
+        self._prefix_seen = (0, 0)
+
+    def observe_step(self, engine: LLMEngine, stats: StepStats, now: float) -> None:
+        self.num_requests_running.set(len(engine.scheduler.running))
+        self.num_requests_waiting.set(len(engine.scheduler.waiting))
+        self.kv_cache_usage_perc.set(engine.block_manager.usage)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        bm = engine.block_manager
+        queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
+        self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        for seq in stats.first_tokens:
+            self.ttft.observe(seq.first_token_time - seq.arrival_time)
+        if stats.num_generation_tokens and stats.step_seconds:
+            # Every sequence that decoded this step waited one step for its token.
+            decoding = stats.num_generation_tokens - len(stats.first_tokens)
+            for _ in range(max(decoding, 0)):
+                self.itl.observe(stats.step_seconds)
+        for seq in stats.finished:
+            self.observe_finished(seq, now)
+        stats.finished.clear()
+
+    def observe_finished(self, seq, now: float) -> None:
+        self.prompt_tokens.inc(seq.num_prompt_tokens)
+        self.generation_tokens.inc(seq.num_output_tokens)
+        self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
+        self.e2e.observe(now - seq.arrival_time)
+        if seq.first_scheduled_time is not None:
+            self.queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
+            if seq.first_token_time is not None:
+                self.prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
+                self.decode_time.observe((seq.last_token_time or now) - seq.first_token_time)

@@ -1,0 +1,110 @@
+"""Turns a scheduled batch into flat tensors (tokens, positions, slot mapping, block tables), runs the model over the
+paged KV cache, and samples the sequences that reached the end of their known tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.model import LlamaForCausalLM
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.device = device
+        mc = model.config
+        # One allocation for the whole pool: [2 (k, v), layers, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            2,
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_layers)]
+        self.sampler = Sampler(config.seed, device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence]]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        for seq in batch.decodes:
+            pos = seq.num_computed_tokens
+            tokens.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            if pos + 1 == seq.num_tokens:  # else a one-token prefill chunk: nothing to sample yet
+                logits_indices.append(len(tokens) - 1)
+                sampled.append(seq)
+        cu_seqlens = [0]
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            tokens.extend(seq.token_ids[start : start + n])
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            if start + n == seq.num_tokens:
+                logits_indices.append(len(tokens) - 1)
+                sampled.append(seq)
+        prefill_seqs = [s for s, _ in batch.prefills]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode_tokens=len(batch.decodes),
+            decode_block_tables=self._block_tables(batch.decodes),
+            decode_context_lens=torch.tensor([s.num_computed_tokens + 1 for s in batch.decodes], dtype=torch.int32),
+            prefill_block_tables=self._block_tables(prefill_seqs),
+            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            prefill_context_lens=torch.tensor(
+                [s.num_computed_tokens + n for s, n in batch.prefills], dtype=torch.int32
+            ),
+            prefill_max_q=max((n for _, n in batch.prefills), default=0),
+        )
+        if self.device.type != "cpu":
+            meta = AttentionMetadata(
+                **{
+                    k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in vars(meta).items()
+                }
+            )
+        inputs = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        self._logits_indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return inputs, pos, meta, sampled
+
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
+        """Run one step; returns the sequences that produced a token and those tokens."""
+        inputs, positions, meta, sampled = self.prepare(batch)
+        logits = self.model.forward(inputs, positions, self.kv_caches, meta, self._logits_indices)
+        if not sampled:
+            return [], []
+        return sampled, self.sampler(logits, sampled)

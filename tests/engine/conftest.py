@@ -1,0 +1,31 @@
+"""Engine test fixtures: a tiny random Llama (same loader and model code path as the real one) and its HF twin."""
+
+import pytest
+import torch
+
+from engine.testing import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by HF transformers with no stop token: the reference nobody here wrote."""
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
