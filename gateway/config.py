@@ -1,0 +1,179 @@
+"""Gateway configuration: dataclasses loaded from YAML or TOML, then overridden by `TOKENWEIR_*` env vars.
+
+Env names follow the field path: `TOKENWEIR_PORT=9000`, `TOKENWEIR_STORE_URL=...`,
+`TOKENWEIR_TIMEOUTS__TTFT_S=30` (double underscore steps into a nested section). Pools are lists and so come
+from the file, except the one-upstream shortcut `TOKENWEIR_UPSTREAM_URL` (+ `TOKENWEIR_UPSTREAM_MODEL`, and
+`TOKENWEIR_UPSTREAM_TOKENIZER`: a GGUF path or "default" for exact prompt counts).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class UpstreamConfig:
+    """One instance of a pool: our engine or any OpenAI-compatible server."""
+
+    base_url: str
+    name: str = ""
+    api_key: str | None = None
+    model: str | None = None  # the upstream's own model name, if it differs from the pool's public name
+    engine: bool = True  # ours: poll /load, ask for continuous usage, POST /abort on cancel
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        self.name = self.name or self.base_url
+
+
+@dataclass
+class PoolConfig:
+    """A public model name served by a set of instances, with fallback models tried after them."""
+
+    model: str
+    upstreams: list[UpstreamConfig] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    tokenizer: str | None = None  # the served model's GGUF ("default": the bundled SmolLM2): exact; else estimate
+    max_context: int | None = None  # prompt + max_tokens must fit
+    capacity: int = 64  # requests dispatched to the pool at once; the rest wait in its priority queue
+    max_queued: int = 1024
+    ttft_timeout_s: float | None = None
+    total_timeout_s: float | None = None
+
+
+@dataclass
+class TimeoutConfig:
+    queue_s: float = 30.0
+    ttft_s: float = 60.0
+    total_s: float = 600.0
+    connect_s: float = 5.0
+
+
+@dataclass
+class BreakerConfig:
+    failures: int = 3  # consecutive failures that open an instance's circuit
+    cooldown_s: float = 10.0  # then one half-open probe is let through
+
+
+@dataclass
+class EventsConfig:
+    path: str = "./data/events.jsonl"
+    max_bytes: int = 64 * 1024 * 1024
+    backups: int = 5
+    flush_interval_s: float = 0.5
+
+
+@dataclass
+class EngineConfig:
+    """The bundled engine that `tokenweir serve` starts as a child process."""
+
+    enabled: bool = True
+    port: int = 8100
+    model_path: str | None = None  # GGUF; default: the bundled SmolLM2
+    model_name: str = "smollm2-135m"
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store_url: str = "sqlite:///./data/tokenweir.db"
+    state_url: str | None = None  # redis://host:6379/0: limits shared by several gateway replicas; None: in-process
+    pools: list[PoolConfig] = field(default_factory=list)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    default_max_tokens: int = 1024  # when neither the request nor the team's cap says
+    max_body_bytes: int = 4 * 1024 * 1024
+    load_poll_interval_s: float = 1.0
+    auth_cache_ttl_s: float = 1.0
+    usage_flush_interval_s: float = 2.0
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are cut (and billed)
+    log_level: str = "info"
+    access_log: bool = False
+
+    def pool(self, model: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.model == model), None)
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> GatewayConfig:
+    """File (YAML by default, TOML by suffix) then env overrides; a missing path means defaults + env."""
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if str(path).endswith(".toml") else (yaml.safe_load(text) or {})
+        assert isinstance(data, dict), f"{path}: the top level must be a mapping"
+    config = _build(GatewayConfig, data, "")
+    _apply_env(config, os.environ if env is None else env)
+    return config
+
+
+def _build(cls, data: dict, where: str):
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {sorted(unknown)} in {where or 'top level'}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping")
+        return _build(tp, value, where + ".")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list")
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool and isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if tp in (int, float, str) and not isinstance(value, tp):
+        try:
+            return tp(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}") from e
+    return value
+
+
+def _apply_env(config: GatewayConfig, env) -> None:
+    prefix = "TOKENWEIR_"
+    for key, raw in env.items():
+        if not key.startswith(prefix) or key.startswith("TOKENWEIR_UPSTREAM_"):
+            continue
+        path = key[len(prefix) :].lower().split("__")
+        target = config
+        for part in path[:-1]:
+            target = getattr(target, part, None)
+            if not is_dataclass(target):
+                break
+        else:
+            hints = typing.get_type_hints(type(target))
+            if path[-1] in hints and typing.get_origin(hints[path[-1]]) is not list:
+                value = None if raw == "" else raw
+                setattr(target, path[-1], _coerce(hints[path[-1]], value, key))
+    if env.get("TOKENWEIR_UPSTREAM_URL"):
+        model = env.get("TOKENWEIR_UPSTREAM_MODEL", "default")
+        config.pools = [p for p in config.pools if p.model != model]
+        upstream = UpstreamConfig(env["TOKENWEIR_UPSTREAM_URL"])
+        config.pools.append(
+            PoolConfig(model=model, upstreams=[upstream], tokenizer=env.get("TOKENWEIR_UPSTREAM_TOKENIZER"))
+        )

@@ -1,0 +1,203 @@
+"""The dispatch queue: who may send a request to the engine pool next.
+
+`capacity` dispatch slots are shared by all teams. A request takes a slot at once if one is free and
+nobody waits; otherwise it waits as a future in its team's FIFO inside its priority band. When a slot frees,
+the lowest band with waiters is served, and inside it the team with the lowest stride pass (weighted
+fairness). The number of waiters is bounded (`queue_full` at once) and each waiter has a deadline
+(`queue_timeout`). A waiter cancelled or timed out while queued is removed; if a slot was handed to it in
+that same instant, the slot is passed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from policies.decisions import Rejected
+from policies.limits import PRIORITY_STANDARD
+from policies.priority import StrideScheduler, band_of
+from policies.retry import queue_retry_after
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A held dispatch slot. Give it back with `DispatchQueue.release` in a finally."""
+
+    team_id: str
+    priority: int
+    enqueued_at: float  # time.monotonic()
+    granted_at: float = 0.0
+    released: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def queue_s(self) -> float:
+        return max(0.0, self.granted_at - self.enqueued_at)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    ticket: Ticket
+    future: asyncio.Future
+    queued: bool = True
+
+
+@dataclass
+class _Band:
+    scheduler: StrideScheduler = field(default_factory=StrideScheduler)
+    waiters: dict[str, deque[_Waiter]] = field(default_factory=dict)  # team -> FIFO (only non-empty ones)
+
+
+class DispatchQueue:
+    def __init__(self, capacity: int, max_queued: int, hold_estimate_s: float = 1.0) -> None:
+        assert capacity >= 0 and max_queued >= 0
+        self.capacity = capacity
+        self.max_queued = max_queued
+        self._in_use = 0
+        self._queued = 0
+        self._bands: dict[int, _Band] = {}
+        self._in_use_by_team: dict[str, int] = {}
+        self._queued_by_team: dict[str, int] = {}
+        self._mean_hold_s = hold_estimate_s  # EWMA of how long a slot is held, for Retry-After
+        self.dispatched = 0
+        self.rejected_full = 0
+        self.timed_out = 0
+        self.cancelled = 0
+
+    async def acquire(self, team_id: str, priority: int, weight: int = 1, timeout_s: float | None = None) -> Ticket:
+        """Wait for a dispatch slot: Rejected('queue_full') at once, ('queue_timeout') at the deadline."""
+        assert weight >= 1
+        # clamp into the known bands: a client-chosen priority must not mint new bands (memory, O(bands) work)
+        ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic())
+        if self._queued == 0 and self._in_use < self.capacity:
+            self._grant(ticket)
+            return ticket
+        if self._queued >= self.max_queued:
+            self.rejected_full += 1
+            retry = queue_retry_after(self._queued, self.capacity, self._mean_hold_s)
+            msg = (
+                f"The server is at capacity: {self._queued} requests queued (limit {self.max_queued}). "
+                f"Retry after {retry}s."
+            )
+            raise Rejected("queue_full", msg, retry)
+        waiter = _Waiter(ticket, asyncio.get_running_loop().create_future())
+        self._enqueue(waiter, weight)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter.future
+        except BaseException as exc:
+            self._abandon(waiter)
+            if isinstance(exc, TimeoutError):
+                self.timed_out += 1
+                retry = queue_retry_after(self._queued, self.capacity, self._mean_hold_s)
+                msg = (
+                    f"Timed out after {timeout_s:g}s waiting for capacity ({self._queued} requests queued). "
+                    f"Retry after {retry}s."
+                )
+                raise Rejected("queue_timeout", msg, retry) from None
+            self.cancelled += 1
+            raise
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Give a slot back and hand it to the next waiter. Idempotent; never awaits (safe in any finally)."""
+        if ticket.released:
+            return
+        self._free(ticket)
+        held = time.monotonic() - ticket.granted_at
+        self._mean_hold_s += 0.1 * (held - self._mean_hold_s)
+        self._dispatch()
+
+    def set_capacity(self, n: int) -> None:
+        """Resize the pool. Shrinking lets in-use slots drain; growing wakes waiters at once."""
+        assert n >= 0
+        self.capacity = n
+        self._dispatch()
+
+    def stats(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "in_use": self._in_use,
+            "queued": self._queued,
+            "max_queued": self.max_queued,
+            "queued_by_priority": {
+                p: sum(len(q) for q in band.waiters.values()) for p, band in sorted(self._bands.items())
+            },
+            "queued_by_team": dict(self._queued_by_team),
+            "in_use_by_team": dict(self._in_use_by_team),
+            "dispatched": self.dispatched,
+            "rejected_full": self.rejected_full,
+            "timed_out": self.timed_out,
+            "cancelled": self.cancelled,
+            "mean_hold_s": round(self._mean_hold_s, 4),
+        }
+
+    # -- internals (all synchronous: no await between a check and its update) --
+
+    def _grant(self, ticket: Ticket) -> None:
+        ticket.granted_at = time.monotonic()
+        self._in_use += 1
+        self._in_use_by_team[ticket.team_id] = self._in_use_by_team.get(ticket.team_id, 0) + 1
+        self.dispatched += 1
+
+    def _free(self, ticket: Ticket) -> None:
+        ticket.released = True
+        self._in_use -= 1
+        _dec(self._in_use_by_team, ticket.team_id)
+
+    def _enqueue(self, waiter: _Waiter, weight: int) -> None:
+        ticket = waiter.ticket
+        band = self._bands.setdefault(ticket.priority, _Band())
+        band.waiters.setdefault(ticket.team_id, deque()).append(waiter)
+        band.scheduler.activate(ticket.team_id, weight)
+        self._queued += 1
+        self._queued_by_team[ticket.team_id] = self._queued_by_team.get(ticket.team_id, 0) + 1
+        self._dispatch()  # capacity may be free (set_capacity raced a full queue)
+
+    def _unlink(self, waiter: _Waiter, band: _Band) -> None:
+        team = waiter.ticket.team_id
+        waiter.queued = False
+        self._queued -= 1
+        _dec(self._queued_by_team, team)
+        if not band.waiters.get(team):
+            band.waiters.pop(team, None)
+            band.scheduler.deactivate(team)
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The waiter gave up (cancelled / timed out): unqueue it, or pass on a slot it was just handed."""
+        if waiter.queued:
+            band = self._bands[waiter.ticket.priority]
+            band.waiters[waiter.ticket.team_id].remove(waiter)
+            self._unlink(waiter, band)
+        elif waiter.future.done() and not waiter.future.cancelled():
+            # granted in the same instant it gave up: the next waiter gets the slot (a zero-length hold
+            # says nothing about service time, so it stays out of the Retry-After estimate)
+            self._free(waiter.ticket)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._queued and self._in_use < self.capacity:
+            priority = min(p for p, band in self._bands.items() if band.waiters)
+            band = self._bands[priority]
+            team = band.scheduler.peek()
+            assert team is not None and team in band.waiters, "scheduler and waiters out of step"
+            waiter = band.waiters[team].popleft()
+            live = not waiter.future.done()  # done = cancelled, its task not yet resumed to clean up: skip it
+            if live:
+                band.scheduler.served(team)  # before _unlink, which may deactivate the team
+            self._unlink(waiter, band)
+            if not live:
+                continue
+            self._grant(waiter.ticket)
+            waiter.future.set_result(waiter.ticket)
+
+
+def _dec(counts: dict[str, int], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] == 0:
+        del counts[key]

@@ -1,0 +1,67 @@
+"""Prometheus metrics on a per-app CollectorRegistry (so apps in tests never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "tokenweir_gateway_"
+        self.requests = Counter(p + "requests", "Requests by outcome", ["team", "model", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Billed prompt tokens", ["team", "model"], registry=r)
+        self.completion_tokens = Counter(
+            p + "completion_tokens", "Billed completion tokens", ["team", "model"], registry=r
+        )
+        self.rejections = Counter(p + "rejections", "Requests shed by reason", ["reason"], registry=r)
+        self.in_flight = Gauge(p + "in_flight", "Requests being served upstream", ["model"], registry=r)
+        self.queue_time = Histogram(
+            p + "queue_seconds", "Time in the dispatch queue", ["model"], buckets=_LATENCY, registry=r
+        )
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token", ["model"], buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(
+            p + "tpot_seconds",
+            "Time per output token after the first",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(p + "e2e_seconds", "End-to-end request latency", ["model"], buckets=_LATENCY, registry=r)
+        self.overhead = Histogram(
+            p + "overhead_seconds",
+            "Wall time spent in the gateway itself (e2e minus queue and upstream time)",
+            buckets=_OVERHEAD,
+            registry=r,
+        )
+        self.remaining_budget = Gauge(
+            p + "remaining_budget_tokens", "Tokens left in a team's budget", ["team", "period"], registry=r
+        )
+        self.reserved_tokens = Gauge(
+            p + "reserved_tokens", "Tokens held by in-flight reservations", ["team"], registry=r
+        )
+        self.team_in_flight = Gauge(p + "team_in_flight", "A team's requests in flight", ["team"], registry=r)
+        self.queue_depth = Gauge(
+            p + "queue_depth", "Requests waiting in a pool's dispatch queue", ["model"], registry=r
+        )
+
+    def refresh_team(self, team: str, snapshot: dict) -> None:
+        """Copy a state snapshot into the per-team gauges (done at scrape time, not per request)."""
+        self.reserved_tokens.labels(team).set(snapshot.get("reserved_tokens", 0) or 0)
+        self.team_in_flight.labels(team).set(snapshot.get("in_flight", 0) or 0)
+        for period in ("day", "month"):
+            left = snapshot.get(f"remaining_{period}")
+            if left is None:
+                left = (
+                    (snapshot.get("remaining") or {}).get(period)
+                    if isinstance(snapshot.get("remaining"), dict)
+                    else None
+                )
+            if left is not None:
+                self.remaining_budget.labels(team, period).set(left)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,474 @@
+"""Identity and usage persistence: teams, their limits, API keys and daily usage, on SQLite or PostgreSQL.
+
+Sync by design: the gateway calls it through `asyncio.to_thread`, and only the auth cache miss is on the
+request path. One connection guarded by a lock; SQLite runs in WAL mode so readers in other processes
+never block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from gateway import keys
+from policies.limits import TeamLimits
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+_MIGRATION_RE = re.compile(r"^(\d{4})_[A-Za-z0-9_]+\.sql$")
+# pg_advisory_xact_lock key: replicas starting together migrate one at a time.
+_PG_MIGRATION_LOCK = 0x746F6B656E
+
+# team_limits columns, in TeamLimits order. A field added to TeamLimits needs a migration: the assert says so.
+LIMIT_COLUMNS = (
+    "rpm", "tpm", "tokens_per_day", "tokens_per_month", "max_concurrency", "max_prompt_tokens",
+    "max_output_tokens", "allowed_models", "priority", "weight", "queue_timeout_s", "ttft_timeout_s",
+    "total_timeout_s",
+)  # fmt: skip
+assert tuple(f.name for f in fields(TeamLimits)) == LIMIT_COLUMNS, "TeamLimits changed: add a migration"
+
+_TEAM_SELECT = (
+    f"SELECT t.id, t.name, t.enabled, t.created_at, {', '.join('l.' + c for c in LIMIT_COLUMNS)}"
+    " FROM teams t LEFT JOIN team_limits l ON l.team_id = t.id"
+)
+_KEY_SELECT = "SELECT id, team_id, name, prefix, is_admin, created_at, expires_at, revoked_at FROM api_keys"
+_USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
+
+
+class StoreError(Exception):
+    pass
+
+
+class NotFound(StoreError):
+    def __init__(self, what: str, ident: str) -> None:
+        super().__init__(f"no {what} {ident!r}")
+        self.what = what  # "team" or "key"
+        self.ident = ident
+
+
+class Conflict(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class Team:
+    id: str
+    name: str
+    enabled: bool
+    limits: TeamLimits
+    created_at: str
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    team_id: str | None
+    name: str
+    prefix: str
+    is_admin: bool
+    created_at: str
+    expires_at: str | None
+    revoked_at: str | None
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and parse_ts(self.expires_at) <= (now or datetime.now(UTC))
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    team_id: str
+    day: str  # 'YYYY-MM-DD', UTC
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def format_ts(dt: datetime) -> str:
+    """Fixed-width UTC text, so timestamps compare correctly as strings in either database."""
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def parse_ts(value: str) -> datetime:
+    dt = datetime.fromisoformat(value)
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+def now_ts() -> str:
+    return format_ts(datetime.now(UTC))
+
+
+def split_sql(script: str) -> list[str]:
+    """Statements of a migration file. Migrations keep ';' out of string literals, so this stays simple."""
+    lines = [line.split("--", 1)[0] for line in script.splitlines()]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+
+
+def _is_integrity_error(exc: Exception) -> bool:
+    return isinstance(exc, sqlite3.IntegrityError | psycopg.IntegrityError)
+
+
+# What a database failure looks like, from either driver: callers map it to 503, never 500.
+DB_ERRORS = (sqlite3.Error, psycopg.Error)
+
+
+class _Db:
+    """The open transaction: one execute interface over sqlite3 ('?') and psycopg ('%s')."""
+
+    def __init__(self, conn: Any, postgres: bool) -> None:
+        self.conn = conn
+        self.postgres = postgres
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("?", "%s") if self.postgres else sql
+
+    def execute(self, sql: str, params: tuple | list = ()) -> Any:
+        return self.conn.execute(self._sql(sql), params) if params else self.conn.execute(sql)
+
+    def executemany(self, sql: str, rows: list[tuple]) -> None:
+        cur = self.conn.cursor()
+        try:
+            cur.executemany(self._sql(sql), rows)
+        finally:
+            cur.close()
+
+    def all(self, sql: str, params: tuple | list = ()) -> list[tuple]:
+        return list(self.execute(sql, params).fetchall())
+
+    def one(self, sql: str, params: tuple | list = ()) -> tuple | None:
+        return self.execute(sql, params).fetchone()
+
+
+class Store:
+    def __init__(self, connect: Any, postgres: bool, pepper: bytes | None) -> None:
+        self._connect = connect
+        self.postgres = postgres
+        self._pepper = pepper
+        self._lock = threading.RLock()
+        self._conn = connect()
+
+    @classmethod
+    def open(cls, url: str, *, pepper: bytes | str | None = None, migrations_dir: Path | None = None) -> Store:
+        """`sqlite:///relative.db`, `sqlite:////abs/path.db`, `sqlite://:memory:` or `postgresql://...`.
+
+        The key pepper defaults to $TOKENWEIR_KEY_PEPPER; every replica must use the same one.
+        """
+        if pepper is None:
+            pepper = os.environ.get("TOKENWEIR_KEY_PEPPER") or None
+        if isinstance(pepper, str):
+            pepper = pepper.encode()
+        if url.startswith(("postgresql://", "postgres://")):
+            store = cls(lambda: psycopg.connect(url, autocommit=True), True, pepper)
+        elif url.startswith("sqlite:"):
+            path = url.removeprefix("sqlite:").removeprefix("//")
+            path = path.removeprefix("/") if path != "/:memory:" else ":memory:"
+            path = path or ":memory:"
+            if path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            store = cls(lambda: _sqlite_connect(path), False, pepper)
+        else:
+            raise ValueError(f"unsupported store url {url!r}: use sqlite:///path.db or postgresql://...")
+        store.migrate(migrations_dir or MIGRATIONS_DIR)
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # --- plumbing ----------------------------------------
+
+    def _connection(self) -> Any:
+        # A PostgreSQL restart breaks the connection; the next call reconnects instead of failing forever.
+        if self.postgres and (self._conn.closed or self._conn.broken):
+            self._conn = self._connect()
+        return self._conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[_Db]:
+        with self._lock:
+            conn = self._connection()
+            if self.postgres:
+                with conn.transaction():
+                    yield _Db(conn, True)
+                return
+            # Take the write lock up front: no read-to-write upgrade deadlocks between processes.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield _Db(conn, False)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return _Db(self._connection(), self.postgres).all(sql, params)
+            except psycopg.OperationalError:
+                if not self._conn.broken:
+                    raise
+            # The server dropped us (restart, failover, idle kill): a read is safe to retry once, on a new connection.
+            return _Db(self._connection(), self.postgres).all(sql, params)
+
+    def migrate(self, migrations_dir: Path = MIGRATIONS_DIR) -> list[int]:
+        """Apply, in order and once each, every NNNN_name.sql not in schema_version. Returns those applied."""
+        files = sorted((int(m.group(1)), p) for p in migrations_dir.iterdir() if (m := _MIGRATION_RE.match(p.name)))
+        versions = [v for v, _ in files]
+        assert len(set(versions)) == len(versions), f"two migrations share a number in {migrations_dir}"
+        applied_now = []
+        with self._tx() as db:
+            if self.postgres:
+                db.execute("SELECT pg_advisory_xact_lock(?)", (_PG_MIGRATION_LOCK,))
+                exists = db.one("SELECT to_regclass('schema_version')")[0] is not None
+            else:
+                exists = db.one("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'")
+            done = {r[0] for r in db.all("SELECT version FROM schema_version")} if exists else set()
+            for version, path in files:
+                if version in done:
+                    continue
+                for statement in split_sql(path.read_text()):
+                    db.execute(statement)
+                db.execute(
+                    "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
+                    (version, path.name, now_ts()),
+                )
+                applied_now.append(version)
+        return applied_now
+
+    def schema_versions(self) -> list[int]:
+        return [r[0] for r in self._read("SELECT version FROM schema_version ORDER BY version")]
+
+    # --- teams ----------------------------------------
+
+    def create_team(self, name: str, limits: TeamLimits = TeamLimits(), enabled: bool = True) -> Team:
+        team_id = "team_" + secrets.token_hex(8)
+        try:
+            with self._tx() as db:
+                if db.one("SELECT 1 FROM teams WHERE name = ?", (name,)):
+                    raise Conflict(f"a team named {name!r} already exists")
+                db.execute(
+                    "INSERT INTO teams (id, name, enabled, created_at) VALUES (?, ?, ?, ?)",
+                    (team_id, name, enabled, now_ts()),
+                )
+                _write_limits(db, team_id, limits)
+        except Exception as exc:
+            if _is_integrity_error(exc):  # lost a race with another replica creating the same name
+                raise Conflict(f"a team named {name!r} already exists") from exc
+            raise
+        return self.get_team(team_id)
+
+    def get_team(self, team_id: str) -> Team | None:
+        rows = self._read(_TEAM_SELECT + " WHERE t.id = ?", (team_id,))
+        return _team(rows[0]) if rows else None
+
+    def get_team_by_name(self, name: str) -> Team | None:
+        rows = self._read(_TEAM_SELECT + " WHERE t.name = ?", (name,))
+        return _team(rows[0]) if rows else None
+
+    def list_teams(self) -> list[Team]:
+        return [_team(r) for r in self._read(_TEAM_SELECT + " ORDER BY t.created_at, t.id")]
+
+    def update_team(self, team_id: str, *, name: str | None = None, enabled: bool | None = None) -> Team:
+        try:
+            with self._tx() as db:
+                if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
+                    raise NotFound("team", team_id)
+                if name is not None:
+                    if db.one("SELECT 1 FROM teams WHERE name = ? AND id <> ?", (name, team_id)):
+                        raise Conflict(f"a team named {name!r} already exists")
+                    db.execute("UPDATE teams SET name = ? WHERE id = ?", (name, team_id))
+                if enabled is not None:
+                    db.execute("UPDATE teams SET enabled = ? WHERE id = ?", (enabled, team_id))
+        except Exception as exc:
+            if _is_integrity_error(exc):
+                raise Conflict(f"a team named {name!r} already exists") from exc
+            raise
+        return self.get_team(team_id)
+
+    def set_limits(self, team_id: str, limits: TeamLimits) -> Team:
+        with self._tx() as db:
+            if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
+                raise NotFound("team", team_id)
+            _write_limits(db, team_id, limits)
+        return self.get_team(team_id)
+
+    def delete_team(self, team_id: str) -> None:
+        """Deletes the team, its limits and its keys; its usage rows stay for billing."""
+        with self._tx() as db:
+            if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
+                raise NotFound("team", team_id)
+            # Explicit, not ON DELETE CASCADE: SQLite ignores that on connections without the pragma.
+            db.execute("DELETE FROM api_keys WHERE team_id = ?", (team_id,))
+            db.execute("DELETE FROM team_limits WHERE team_id = ?", (team_id,))
+            db.execute("DELETE FROM teams WHERE id = ?", (team_id,))
+
+    # --- keys ----------------------------------------
+
+    def create_key(
+        self,
+        team_id: str | None,
+        name: str,
+        *,
+        is_admin: bool = False,
+        expires_at: datetime | str | None = None,
+    ) -> tuple[str, ApiKey]:
+        """Returns (secret, key). The secret exists only in this return value: show it once."""
+        assert team_id is not None or is_admin, "a key without a team must be an admin key"
+        if isinstance(expires_at, str):
+            expires_at = parse_ts(expires_at)
+        secret = keys.generate_secret()
+        key_id = "key_" + secrets.token_hex(8)
+        with self._tx() as db:
+            if team_id is not None and not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
+                raise NotFound("team", team_id)
+            db.execute(
+                "INSERT INTO api_keys (id, team_id, name, prefix, key_hash, is_admin, created_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key_id,
+                    team_id,
+                    name,
+                    keys.visible_prefix(secret),
+                    keys.hash_secret(secret, self._pepper),
+                    is_admin,
+                    now_ts(),
+                    format_ts(expires_at) if expires_at else None,
+                ),
+            )
+        return secret, self.get_key(key_id)
+
+    def find_key(self, secret: str) -> ApiKey | None:
+        """The key of this secret, revoked or expired included (the caller says which); None if unknown."""
+        digest = keys.hash_secret(secret, self._pepper)
+        rows = self._read(
+            "SELECT id, team_id, name, prefix, is_admin, created_at, expires_at, revoked_at, key_hash"
+            " FROM api_keys WHERE key_hash = ?",
+            (digest,),
+        )
+        if not rows or not keys.hashes_match(rows[0][8], digest):
+            return None
+        return _key(rows[0][:8])
+
+    def get_key(self, key_id: str) -> ApiKey | None:
+        rows = self._read(_KEY_SELECT + " WHERE id = ?", (key_id,))
+        return _key(rows[0]) if rows else None
+
+    def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
+        if team_id is None:
+            rows = self._read(_KEY_SELECT + " ORDER BY created_at, id")
+        else:
+            rows = self._read(_KEY_SELECT + " WHERE team_id = ? ORDER BY created_at, id", (team_id,))
+        return [_key(r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> ApiKey:
+        """Idempotent: revoking twice keeps the first revocation time."""
+        with self._tx() as db:
+            if not db.one("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)):
+                raise NotFound("key", key_id)
+            db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now_ts(), key_id))
+        return self.get_key(key_id)
+
+    # --- usage ----------------------------------------
+
+    def record_usage(self, rows: list[UsageRow]) -> None:
+        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none."""
+        if not rows:
+            return
+        with self._tx() as db:
+            db.executemany(
+                f"INSERT INTO usage_daily ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (team_id, day, model) DO UPDATE SET"
+                " requests = usage_daily.requests + excluded.requests,"
+                " prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,"
+                " cached_tokens = usage_daily.cached_tokens + excluded.cached_tokens",
+                [
+                    (
+                        r.team_id,
+                        r.day,
+                        r.model,
+                        r.requests,
+                        r.prompt_tokens,
+                        r.completion_tokens,
+                        r.cached_tokens,
+                    )
+                    for r in rows
+                ],
+            )
+
+    def usage(self, team_id: str | None = None, since: str | None = None, until: str | None = None) -> list[UsageRow]:
+        """Daily rows, both day bounds inclusive ('YYYY-MM-DD')."""
+        where, params = [], []
+        for clause, value in (("team_id = ?", team_id), ("day >= ?", since), ("day <= ?", until)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = f"SELECT {_USAGE_COLUMNS} FROM usage_daily"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._read(sql + " ORDER BY day, team_id, model", params)
+        return [UsageRow(r[0], r[1], r[2], *(int(v) for v in r[3:])) for r in rows]
+
+    def spent_tokens(self, team_id: str, since_day: str) -> int:
+        """Prompt + completion tokens since a day (inclusive): seeds the day/month budgets at start."""
+        rows = self._read(
+            "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage_daily"
+            " WHERE team_id = ? AND day >= ?",
+            (team_id, since_day),
+        )
+        return int(rows[0][0])
+
+
+def _sqlite_connect(path: str) -> sqlite3.Connection:
+    # isolation_level=None: we issue BEGIN/COMMIT ourselves; check_same_thread=False: our lock serialises.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def _write_limits(db: _Db, team_id: str, limits: TeamLimits) -> None:
+    values = [getattr(limits, c) for c in LIMIT_COLUMNS]
+    models = LIMIT_COLUMNS.index("allowed_models")
+    values[models] = None if limits.allowed_models is None else json.dumps(list(limits.allowed_models))
+    db.execute("DELETE FROM team_limits WHERE team_id = ?", (team_id,))
+    db.execute(
+        f"INSERT INTO team_limits (team_id, {', '.join(LIMIT_COLUMNS)}) VALUES (?{', ?' * len(LIMIT_COLUMNS)})",
+        (team_id, *values),
+    )
+
+
+def _team(row: tuple) -> Team:
+    raw = dict(zip(LIMIT_COLUMNS, row[4:], strict=True))
+    if raw["allowed_models"] is not None:
+        raw["allowed_models"] = json.loads(raw["allowed_models"])
+    raw = {k: v for k, v in raw.items() if v is not None}  # a missing limits row reads as TeamLimits()
+    return Team(id=row[0], name=row[1], enabled=bool(row[2]), limits=TeamLimits.from_dict(raw), created_at=row[3])
+
+
+def _key(row: tuple) -> ApiKey:
+    return ApiKey(
+        id=row[0],
+        team_id=row[1],
+        name=row[2],
+        prefix=row[3],
+        is_admin=bool(row[4]),
+        created_at=row[5],
+        expires_at=row[6],
+        revoked_at=row[7],
+    )

@@ -1,0 +1,79 @@
+"""`tokenweir serve` as a real process: bootstrap keys printed, and SIGTERM flushes usage and events."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+
+from gateway.events import read_events
+from gateway.store import Store
+from loadtests.fake_upstream import FakeUpstream, ServerThread, free_port
+from tests.serve_process import serve_process
+
+
+def test_serve_prints_keys_and_sigterm_flushes_usage_and_events(tmp_path):
+    fake = FakeUpstream(model="m")
+    with ServerThread(fake) as upstream:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(
+            f"pools:\n  - model: m\n    upstreams:\n      - base_url: {upstream.url}\n"
+            # flushes far apart: only the shutdown flush can have written what we find afterwards
+            f"events: {{path: {tmp_path}/ev.jsonl, flush_interval_s: 600}}\nusage_flush_interval_s: 600\n"
+        )
+        db = tmp_path / "tw.db"
+        args = ["--no-engine", "--config", str(cfg), "--port", str(free_port()), "--store", f"sqlite:///{db}"]
+        with serve_process(args) as served:
+            proc, url, admin, demo = served.proc, served.url, served.admin_key, served.demo_key
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
+            for _ in range(3):
+                r = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {demo}"})
+                assert r.status_code == 200, r.text
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {admin}"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "no_team"
+            assert not read_events(tmp_path / "ev.jsonl"), "events were flushed before shutdown: test proves nothing"
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    events = read_events(tmp_path / "ev.jsonl")
+    assert [e["status"] for e in events] == ["ok"] * 3
+    store = Store.open(f"sqlite:///{db}")
+    try:
+        (row,) = store.usage()
+        assert (row.requests, row.prompt_tokens, row.completion_tokens) == (3, 9, 9)
+    finally:
+        store.close()
+
+
+def test_sigterm_cuts_a_long_stream_after_the_grace_and_still_bills_it(tmp_path):
+    fake = FakeUpstream(model="m")
+    with ServerThread(fake) as upstream:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(
+            f"pools:\n  - model: m\n    upstreams:\n      - base_url: {upstream.url}\n"
+            f"events: {{path: {tmp_path}/ev.jsonl, flush_interval_s: 600}}\n"
+            "usage_flush_interval_s: 600\nshutdown_grace_s: 0.5\n"
+        )
+        db = tmp_path / "tw.db"
+        args = ["--no-engine", "--config", str(cfg), "--port", str(free_port()), "--store", f"sqlite:///{db}"]
+        with serve_process(args) as served:
+            proc, url, demo = served.proc, served.url, served.demo_key
+            body = {"model": "m", "prompt": "a b c", "max_tokens": 200, "stream": True, "fake": {"itl_ms": 50}}
+            body["fake"]["tokens"] = 200  # 10 s of stream: far longer than the grace
+            headers = {"authorization": f"Bearer {demo}", "x-request-id": "cut-by-shutdown"}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                proc.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line]  # the server ends the stream after the grace
+            proc.wait(timeout=30)
+    assert rest[-1] == "data: [DONE]" and '"code":"shutting_down"' in rest[-2], rest[-3:]
+    (event,) = read_events(tmp_path / "ev.jsonl")
+    record = fake.records["cut-by-shutdown"]
+    assert (event["status"], event["reason"]) == ("cancelled", "shutdown") and "cut-by-shutdown" in fake.aborts
+    assert 0 < event["completion_tokens"] == record.completion_tokens < 200, (event, record, len(rest))
+    store = Store.open(f"sqlite:///{db}")
+    try:
+        (row,) = store.usage()
+        assert (row.prompt_tokens, row.completion_tokens) == (3, record.completion_tokens)
+    finally:
+        store.close()
