@@ -1,0 +1,295 @@
+"""A minimal, fast OpenAI-compatible upstream for tests and benchmarks (raw ASGI, no validation layer).
+
+It speaks /v1/chat/completions and /v1/completions (stream and non-stream), /v1/models, /health, /load and
+/abort like our engine server does, and keeps exact counters so tests can check the gateway's accounting.
+
+Knobs (per request, in the body so they pass through the gateway as extra fields):
+  "fake": {"ttft_ms": 0, "itl_ms": 0, "tokens": 16, "status": 200, "fail_after": None}
+  - ttft_ms: delay before the first chunk (non-stream: before the whole response)
+  - itl_ms: delay between stream chunks
+  - tokens: completion tokens to make (capped by max_tokens)
+  - status: answer with this HTTP status and an OpenAI error body instead
+  - fail_after: a stream that breaks (connection cut) after this many chunks
+Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503).
+Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
+length; each stream chunk is one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import uvicorn
+
+
+@dataclass
+class FakeRecord:
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    status: str = "running"  # running | finished | aborted | cancelled
+    stream: bool = False
+
+
+@dataclass
+class FakeUpstream:
+    model: str = "fake-model"
+    records: dict[str, FakeRecord] = field(default_factory=dict)
+    aborts: list[str] = field(default_factory=list)
+    fail_next: int = 0
+    down: bool = False
+    requests_seen: int = 0
+
+    # --- counters for tests ---------------------------------------------------------------------------
+    def totals(self) -> tuple[int, int]:
+        return (
+            sum(r.prompt_tokens for r in self.records.values()),
+            sum(r.completion_tokens for r in self.records.values()),
+        )
+
+    def running(self) -> int:
+        return sum(1 for r in self.records.values() if r.status == "running")
+
+    # --- ASGI -------------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path in ("/health", "/load", "/v1/models"):
+            if path == "/health":
+                return await _json(send, 503 if self.down else 200, {"status": "ok"})
+            if path == "/load":
+                running = self.running()
+                return await _json(
+                    send,
+                    200,
+                    {"num_running": running, "num_waiting": 0, "kv_cache_usage": 0.0, "num_free_blocks": 1000},
+                )
+            return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        if method != "POST":
+            return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
+        body = await _read_body(receive)
+        try:
+            req = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return await _json(send, 400, _err("bad json", "invalid_request_error", "invalid_json"))
+        if path == "/abort":
+            return await self._abort(send, req)
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
+        self.requests_seen += 1
+        if self.down or self.fail_next > 0:
+            self.fail_next = max(0, self.fail_next - 1)
+            return await _json(send, 503, _err("upstream down", "service_unavailable", "unavailable"))
+        knobs = req.get("fake") or {}
+        if knobs.get("status", 200) != 200:
+            return await _json(send, knobs["status"], _err("injected", "invalid_request_error", "injected"))
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"").decode() or f"fake-{self.requests_seen}"
+        chat = path == "/v1/chat/completions"
+        record = FakeRecord(rid, _count_prompt(req, chat), stream=bool(req.get("stream")))
+        self.records[rid] = record
+        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
+        n_tokens = min(int(knobs.get("tokens", 16)), int(max_tokens))
+        try:
+            if req.get("stream"):
+                await self._stream(send, req, record, n_tokens, knobs, chat)
+            else:
+                await self._complete(send, req, record, n_tokens, knobs, chat)
+        finally:
+            if record.status == "running":
+                record.status = "cancelled"
+
+    async def _complete(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+        if knobs.get("ttft_ms"):
+            await asyncio.sleep(knobs["ttft_ms"] / 1000)
+        if record.status == "aborted":
+            return await _json(send, 499, _err("aborted", "invalid_request_error", "aborted"))
+        record.completion_tokens = n_tokens
+        record.status = "finished"
+        text = "tok " * n_tokens
+        choice = {"index": 0, "finish_reason": "length" if n_tokens else "stop"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        await _json(
+            send,
+            200,
+            {
+                "id": f"cmpl-{record.request_id}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": req.get("model", self.model),
+                "choices": [choice],
+                "usage": _usage(record),
+            },
+        )
+
+    async def _stream(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+        opts = req.get("stream_options") or {}
+        include_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
+        base = {
+            "id": f"cmpl-{record.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.get("model", self.model),
+        }
+        if knobs.get("ttft_ms"):
+            await asyncio.sleep(knobs["ttft_ms"] / 1000)
+        fail_after, itl = knobs.get("fail_after"), knobs.get("itl_ms", 0)
+        for i in range(n_tokens):
+            if record.status == "aborted":
+                break
+            if i and itl:
+                await asyncio.sleep(itl / 1000)
+                if record.status == "aborted":
+                    break
+            if fail_after is not None and i >= fail_after:
+                record.status = "cancelled"
+                raise ConnectionResetError("injected stream failure")  # uvicorn closes the connection
+            record.completion_tokens += 1
+            last = i == n_tokens - 1
+            finish = "length" if last else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": "tok "}, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": "tok ", "finish_reason": finish}
+            chunk = {**base, "choices": [choice]}
+            if continuous:
+                chunk["usage"] = _usage(record)
+            await _sse(send, orjson.dumps(chunk))
+        if record.status == "running":
+            record.status = "finished"
+        if include_usage:
+            await _sse(send, orjson.dumps({**base, "choices": [], "usage": _usage(record)}))
+        await _sse(send, b"[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _abort(self, send, req: dict) -> None:
+        rid = req.get("request_id", "")
+        self.aborts.append(rid)
+        record = self.records.get(rid)
+        if record is None:
+            return await _json(send, 200, {"request_id": rid, "status": "unknown"})
+        status = "finished" if record.status == "finished" else "aborted"
+        if record.status in ("running", "cancelled"):
+            record.status = "aborted"
+        await _json(send, 200, {"request_id": rid, "status": status, "usage": _usage(record)})
+
+
+def _count_prompt(req: dict, chat: bool) -> int:
+    if chat:
+        return sum(len(str(m.get("content", "")).split()) + 1 for m in req.get("messages", []))
+    prompt = req.get("prompt", "")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)  # token ids count as themselves, exactly as the gateway counts them
+    return len((" ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)).split())
+
+
+def _usage(r: FakeRecord) -> dict:
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+    }
+
+
+def _err(message: str, type_: str, code: str) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _json(send, status: int, payload: dict) -> None:
+    body = orjson.dumps(payload)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _sse(send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+
+
+# --- running it ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Run any ASGI app under uvicorn in a daemon thread on a free port (tests and benchmarks)."""
+
+    def __init__(self, app, port: int | None = None, **uvicorn_kwargs) -> None:
+        self.port = port or free_port()
+        kwargs = {"log_level": "warning", "lifespan": "on", **uvicorn_kwargs}
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **kwargs))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive(), "server thread died during startup"
+            assert time.monotonic() < deadline, "server did not start in 20 s"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_app(config, **create_app_kwargs) -> ServerThread:
+    """The gateway for `config` under uvicorn in a thread: `with serve_app(cfg, store=s) as srv: srv.url`."""
+    from gateway.app import create_app
+
+    app = create_app(config, **create_app_kwargs)
+    server = ServerThread(app, port=config.port or None)
+    server.app = app
+    return server
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="fast fake OpenAI-compatible upstream")
+    parser.add_argument("--port", type=int, default=8200)
+    parser.add_argument("--model", default="fake-model")
+    args = parser.parse_args()
+    uvicorn.run(FakeUpstream(model=args.model), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
