@@ -6,6 +6,7 @@ they are clamped before the gather and masked out by length, never trusted.
 """
 
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,36 +50,15 @@ def store_kv(
     v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_context(
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    num_tokens: int,
-    lens: torch.Tensor | None = None,
-    scratch: str | None = None,
-) -> torch.Tensor:
-    """Block ids [..., nb] -> contiguous K or V [..., num_tokens, Hkv, D] for the first num_tokens.
-
-    With lens ([B] for a [B, nb] table), positions at or past a sequence's length read its position 0
-    instead: padding then holds real, finite data (an unwritten slot may hold NaN bits, and 0 * NaN
-    would leak through the masked softmax). With scratch, the result lives in that named per-thread buffer
-    and is only valid until the next gather into the same name.
-    """
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scratch: str) -> torch.Tensor:
+    """One sequence's block ids [nb] -> its first num_tokens keys or values, head-major [Hkv, num_tokens, D], in the
+    named per-thread scratch buffer (valid until the next gather into the same name)."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    ids = block_tables[..., :num_blocks].clamp(min=0).long()
+    ids = block_table[:num_blocks].clamp(min=0).long()
     offsets = torch.arange(block_size, device=ids.device)
-    slots = (ids[..., None] * block_size + offsets).flatten(-2)[..., :num_tokens]
-    if lens is not None:
-        live = torch.arange(num_tokens, device=ids.device)[None, :] < lens[:, None].to(ids.device)
-        slots = torch.where(live, slots, slots[:, :1])
-    # One index_select over flat slots copies exactly the live tokens (no padded tail block, no 5-D gather).
-    flat = cache.view(-1, *cache.shape[2:])
-    if scratch is None:
-        gathered = flat.index_select(0, slots.reshape(-1))
-    else:
-        out = _scratch_buffer(scratch, slots.numel() * flat[0].numel(), cache).view(-1, *cache.shape[2:])
-        gathered = torch.index_select(flat, 0, slots.reshape(-1), out=out)
-    return gathered.view(*slots.shape, *cache.shape[2:])
+    slots = (ids[:, None] * block_size + offsets).flatten()[:num_tokens]
+    return _gather_head_major(cache, slots, scratch)
 
 
 def paged_decode_attention(
@@ -94,50 +74,104 @@ def paged_decode_attention(
 
     num_splits only matters to the Triton backend; it is accepted here so both backends share a signature.
     """
-    del num_splits  # split-K is a GPU occupancy trick; one fused SDPA call already covers the batch here
+    del num_splits  # split-K is a GPU occupancy trick; one fused SDPA call per length group covers the batch here
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
-    group = num_heads // num_kv_heads
     if batch == 0:
         return torch.empty_like(q)
-    max_len, slots, mask, empty = _decode_plan(block_tables, context_lens, k_cache.shape[1])
-    k = _gather_slots(k_cache, slots, "k").view(batch, max_len, num_kv_heads, head_dim)
-    v = _gather_slots(v_cache, slots, "v").view(batch, max_len, num_kv_heads, head_dim)
+    groups = _decode_plan(block_tables, context_lens, k_cache.shape[1])
+    if len(groups) == 1:
+        return _decode_group(q, k_cache, v_cache, groups[0], scale)
+    out = torch.empty_like(q)
+    for group in groups:
+        out.index_copy_(0, group.rows, _decode_group(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
+    return out
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # which rows of the batch this group holds
+    max_len: int  # every row's context is padded to this
+    slots: torch.Tensor  # [rows * max_len] cache slots to gather
+    mask: torch.Tensor  # [rows, 1, 1, max_len] True where a key is live
+    empty: torch.Tensor  # [rows, 1, 1, 1] True for a padded row (context 0), whose output is zeroed
+
+
+def _decode_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather_head_major(k_cache, group.slots, "k").view(num_kv_heads, batch, group.max_len, head_dim)
+    v = _gather_head_major(v_cache, group.slots, "v").view(num_kv_heads, batch, group.max_len, head_dim)
     # GQA without copies: the G query heads of one kv head become G query rows of a single SDPA "head".
-    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     compute = torch.float32
     out = F.scaled_dot_product_attention(
         qg.to(compute),
-        k.transpose(1, 2).to(compute),
-        v.transpose(1, 2).to(compute),
-        attn_mask=mask,
+        k.transpose(0, 1).to(compute),
+        v.transpose(0, 1).to(compute),
+        attn_mask=group.mask,
         scale=scale,
     )
-    return out.masked_fill(empty, 0.0).reshape(batch, num_heads, head_dim).to(q.dtype)
+    return out.masked_fill(group.empty, 0.0).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
-def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-    """Gather slots and mask of one decode batch. Every layer of a step passes the same two tensors, so the plan is
-    built once per step (keyed on their identity) instead of once per layer."""
+# Cost of one more length group, in gathered tokens: a group is a K gather, a V gather and an SDPA call (~100 us on
+# CPU), while one padded token costs ~0.3 us to gather and attend over.
+_GROUP_COST_TOKENS = 256
+
+
+def _length_groups(lens: list[int]) -> list[list[int]]:
+    """Split rows into groups padded to their longest member, minimising padded tokens + a cost per group.
+
+    Contexts in a decode batch range from tens to thousands of tokens; padding every row to the longest one made the
+    gather and SDPA do about twice the work. Rows sorted by length make the optimal split contiguous: an O(B^2) DP.
+    """
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    longest = [max(lens[i], 1) for i in order]
+    best = [0] + [0] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        best[end], cut[end] = min(
+            (best[start] + (end - start) * longest[start] + _GROUP_COST_TOKENS, start) for start in range(end)
+        )
+    groups, end = [], len(order)
+    while end > 0:
+        groups.append(order[cut[end] : end])
+        end = cut[end]
+    return groups
+
+
+def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[_DecodeGroup]:
+    """Length groups, gather slots and masks of one decode batch. Every layer of a step passes the same two tensors,
+    so the plan is built once per step (keyed on their identity) instead of once per layer."""
     versions = (_version(block_tables), _version(context_lens), block_size)
     last = getattr(_scratch, "decode_plan", None)
     if last is not None and last[0] is block_tables and last[1] is context_lens and last[2] == versions:
         return last[3]
-    max_len = max(int(context_lens.max()), 1)
-    lens = context_lens.to(block_tables.device).long()
-    num_blocks = -(-max_len // block_size)
-    ids = block_tables[:, :num_blocks].clamp(min=0).long()
-    offsets = torch.arange(block_size, device=ids.device)
-    slots = (ids[..., None] * block_size + offsets).flatten(-2)[:, :max_len]
-    positions = torch.arange(max_len, device=ids.device)
-    live = positions[None, :] < lens[:, None]
-    # Padding reads the row's position 0: real, finite data (an unwritten slot may hold NaN bits).
-    slots = torch.where(live, slots, slots[:, :1]).reshape(-1)
-    # A padded row (context 0) attends to position 0 to stay finite, then is zeroed, as the Triton kernel does.
-    empty = (lens <= 0)[:, None, None, None]
-    mask = live[:, None, None, :] | (empty & (positions == 0))  # [B, 1, 1, L]
-    plan = (max_len, slots, mask, empty)
+    lens_list = context_lens.tolist()
+    groups = _length_groups(lens_list)
+    if len(groups) == 1:
+        groups = [list(range(len(lens_list)))]  # keep batch order: no index_select / index_copy needed
+    plan = []
+    for rows in groups:
+        max_len = max(max(lens_list[i] for i in rows), 1)
+        row_ids = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+        lens = context_lens.to(block_tables.device).long().index_select(0, row_ids)
+        num_blocks = -(-max_len // block_size)
+        ids = block_tables.index_select(0, row_ids)[:, :num_blocks].clamp(min=0).long()
+        offsets = torch.arange(block_size, device=ids.device)
+        slots = (ids[..., None] * block_size + offsets).flatten(-2)[:, :max_len]
+        positions = torch.arange(max_len, device=ids.device)
+        live = positions[None, :] < lens[:, None]
+        # Padding reads the row's position 0: real, finite data (an unwritten slot may hold NaN bits).
+        slots = torch.where(live, slots, slots[:, :1]).reshape(-1)
+        # A padded row (context 0) attends to position 0 to stay finite, then is zeroed, as the Triton kernel does.
+        empty = (lens <= 0)[:, None, None, None]
+        mask = live[:, None, None, :] | (empty & (positions == 0))  # [B, 1, 1, L]
+        plan.append(_DecodeGroup(row_ids, max_len, slots, mask, empty))
     _scratch.decode_plan = (block_tables, context_lens, versions, plan)
     return plan
 
@@ -150,10 +184,15 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, scratch: str) -> torch.Tensor:
+def _gather_head_major(cache: torch.Tensor, slots: torch.Tensor, scratch: str) -> torch.Tensor:
+    """[Hkv, len(slots), D]: CPU SDPA runs ~1.5x faster when each head's keys are contiguous rows, and one
+    index_select per head costs less than transposing a token-major gather afterwards."""
     flat = cache.view(-1, *cache.shape[2:])
-    out = _scratch_buffer(scratch, slots.numel() * flat[0].numel(), cache).view(-1, *cache.shape[2:])
-    return torch.index_select(flat, 0, slots, out=out)
+    num_kv_heads, head_dim = cache.shape[2:]
+    out = _scratch_buffer(scratch, slots.numel() * num_kv_heads * head_dim, cache).view(num_kv_heads, -1, head_dim)
+    for head in range(num_kv_heads):
+        torch.index_select(flat[:, head], 0, slots, out=out[head])
+    return out
 
 
 def _sdpa_gqa(
@@ -198,8 +237,8 @@ def paged_prefill_attention(
             continue
         assert ctx >= q_len, f"sequence {b}: context_lens ({ctx}) must include its {q_len} new tokens"
         # 4-D [1, H, L, D]: with 3-D inputs CPU SDPA drops to its math path (3-4x slower than flash).
-        k = _gather_context(k_cache, block_tables[b], ctx, scratch="k").transpose(0, 1)[None].to(compute)
-        v = _gather_context(v_cache, block_tables[b], ctx, scratch="v").transpose(0, 1)[None].to(compute)
+        k = _gather_context(k_cache, block_tables[b], ctx, scratch="k")[None].to(compute)
+        v = _gather_context(v_cache, block_tables[b], ctx, scratch="v")[None].to(compute)
         qb = q[start:end].transpose(0, 1)[None].to(compute)  # [1, Hq, q_len, D]
         if ctx == q_len:
             o = _sdpa_gqa(qb, k, v, None, scale, group)

@@ -241,3 +241,27 @@ def test_reference_prefill_on_torch_without_sdpa_gqa(monkeypatch):
         q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.context_lens, 0.125
     )
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_reference_decode_splits_a_ragged_batch_into_length_groups():
+    """The CPU path pads each length group only to its own longest row; the groups' rows go back in batch order."""
+    lens = [3, 900, 17, 450, 1, 880, 40]
+    gen = torch.Generator().manual_seed(11)
+    batch = make_paged_batch(lens, 3, 64, 16, gen)
+    q = randn(len(lens), 9, 64, gen=gen)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    assert len(reference._length_groups(lens)) > 1
+    expected = torch.stack(
+        [
+            naive_attention(q[b : b + 1], k, v, torch.tensor([n - 1]), 0.125)[0]
+            for b, (n, k, v) in enumerate(zip(lens, batch.keys, batch.values, strict=True))
+        ]
+    )
+    torch.testing.assert_close(reference.paged_decode_attention(*args), expected, atol=ATOL, rtol=0)
+
+
+def test_length_groups_cover_every_row_once_and_split_only_when_padding_costs_more():
+    assert sorted(sum(reference._length_groups([5, 5, 5, 5]), [])) == [0, 1, 2, 3]
+    assert len(reference._length_groups([100, 101, 99])) == 1
+    groups = reference._length_groups([4000, 10, 12, 3990])
+    assert sorted(sorted(g) for g in groups) == [[0, 3], [1, 2]]
