@@ -61,6 +61,9 @@ class Ctx:
     ticket: object | None = None
     queue_s: float | None = None
     hop: Hop | None = None
+    # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
+    # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
+    upstream_id: str = ""
     route: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
     upstream_end: float | None = None
@@ -113,6 +116,7 @@ class Admission:
 
     async def handle(self, request: Request, principal, body: dict, kind: str) -> Response:
         ctx = self.new_context(request, principal, body, kind)
+        request.state.accounted = True  # finish() writes this request's event, whatever happens next
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
         task = asyncio.current_task()
         watch = asyncio.ensure_future(_wait_disconnect(request))
@@ -151,6 +155,29 @@ class Admission:
             watch.cancel()
             if not handed_off:
                 await relay.shielded(self.finish(ctx))
+
+    def record_unadmitted(self, request: Request, err: APIError) -> None:
+        """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
+        principal = getattr(request.state, "principal", None)
+        team = principal.team if principal is not None else None
+        model = getattr(request.state, "model", None)
+        ctx = Ctx(
+            request_id=request.state.request_id,
+            kind="chat" if request.url.path.endswith("/chat/completions") else "completions",
+            body={},
+            team_id=team.id if team is not None else None,
+            key_id=principal.key.id if principal is not None else None,
+            limits=team.limits if team is not None else None,
+            model=model if isinstance(model, str) else None,
+            stream=False,
+            t0=getattr(request.state, "t0", None) or time.perf_counter(),
+            deadline_base=0.0,
+            priority=team.limits.priority if team is not None else 0,
+            status="rejected",
+            reason=err.code,
+            http_status=err.status,
+        )
+        self.emit(ctx, time.perf_counter(), 0, 0, 0)
 
     # --- the steps --------------------------------------------------------------------------------------------
     def new_context(self, request: Request, principal, body: dict, kind: str) -> Ctx:
@@ -254,6 +281,7 @@ class Admission:
         for hop in hops:
             ctx.route.append(hop.label)
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
+            ctx.upstream_id = "tw-" + uuid.uuid4().hex
             hop.instance.take(time.monotonic())
             self.metrics.in_flight.labels(ctx.model).inc()
             try:
@@ -265,7 +293,7 @@ class Admission:
                 if ctx.sse is not None and hop.instance.cfg.engine:
                     # The stream opened, then failed before its first token: the engine may have prefilled.
                     # Stop it and keep what it counted, so the bill still matches the engine's counters.
-                    answer = await relay.abort(self.client, hop, ctx.request_id)
+                    answer = await relay.abort(self.client, hop, ctx.upstream_id)
                     usage = (answer or {}).get("usage") or {}
                     ctx.spilled[0] += int(usage.get("prompt_tokens") or 0)
                     ctx.spilled[1] += int(usage.get("completion_tokens") or 0)
@@ -303,7 +331,7 @@ class Admission:
         body = self.upstream_body(ctx, hop)
         try:
             obj, raw = await relay.call_json(
-                self.client, hop, ctx.path, body, ctx.request_id, ctx.deadline_base + total
+                self.client, hop, ctx.path, body, ctx.upstream_id, ctx.deadline_base + total
             )
         except TimeoutError:
             ctx.status, ctx.reason = "timeout", "timeout"
@@ -328,7 +356,7 @@ class Admission:
         first: list[bytes] = []
         try:
             ctx.sse = await relay.open_stream(
-                self.client, hop, ctx.path, self.upstream_body(ctx, hop), ctx.request_id, first_deadline
+                self.client, hop, ctx.path, self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
             )
             while chunks.first_token_at is None and not chunks.done:
                 data = await ctx.sse.next(first_deadline)
@@ -419,7 +447,7 @@ class Admission:
         try:
             # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
             if hop is not None and ctx.incomplete and hop.instance.cfg.engine:
-                answer = await relay.abort(self.client, hop, ctx.request_id)
+                answer = await relay.abort(self.client, hop, ctx.upstream_id)
                 if answer and answer.get("usage"):
                     ctx.usage = answer["usage"]
             await self.close_stream(ctx)
@@ -474,6 +502,7 @@ class Admission:
                 "key_id": ctx.key_id,
                 "model": ctx.model,
                 "route": ctx.route,
+                "upstream_request_id": ctx.upstream_id or None,
                 "instance": ctx.route[-1] if ctx.route else None,
                 "priority": ctx.priority,
                 "status": ctx.status,
@@ -493,19 +522,21 @@ class Admission:
             }
         )
         m = self.metrics
-        m.requests.labels(ctx.team_id, ctx.model, ctx.status).inc()
+        # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
+        model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
+        m.requests.labels(ctx.team_id or "none", model, ctx.status).inc()
         if ctx.status == "rejected":
             m.rejections.labels(ctx.reason or "unknown").inc()
         if prompt or completion:
-            m.prompt_tokens.labels(ctx.team_id, ctx.model).inc(prompt)
-            m.completion_tokens.labels(ctx.team_id, ctx.model).inc(completion)
-        m.e2e.labels(ctx.model).observe(e2e)
+            m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
+            m.completion_tokens.labels(ctx.team_id, model).inc(completion)
+        m.e2e.labels(model).observe(e2e)
         if ctx.queue_s is not None:
-            m.queue_time.labels(ctx.model).observe(ctx.queue_s)
+            m.queue_time.labels(model).observe(ctx.queue_s)
         if ctx.ttft_s is not None:
-            m.ttft.labels(ctx.model).observe(ctx.ttft_s)
+            m.ttft.labels(model).observe(ctx.ttft_s)
         if tpot is not None:
-            m.tpot.labels(ctx.model).observe(tpot)
+            m.tpot.labels(model).observe(tpot)
         upstream = (ctx.upstream_end or now) - ctx.dispatched_at if ctx.dispatched_at is not None else 0.0
         m.overhead.observe(max(0.0, e2e - (ctx.queue_s or 0.0) - upstream))
         if ctx.status != "ok":

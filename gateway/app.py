@@ -7,11 +7,12 @@ events are flushed before the process goes.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 import orjson
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,7 +22,7 @@ from gateway.admission import Admission, new_request_id
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.dispatch_queue import DispatchQueue
-from gateway.errors import APIError, api_error_handler, error_response
+from gateway.errors import APIError, error_response
 from gateway.events import EventWriter
 from gateway.logging import bind_request, clear_request, get_logger
 from gateway.metrics import Metrics
@@ -86,7 +87,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     app.state.events = events
     app.include_router(router)
     app.include_router(admin_router)
-    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
@@ -104,6 +105,18 @@ async def seed_budgets(store: Store, state) -> None:
     for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
         if day_tokens or month_tokens:
             state.seed_spend(team_id, day_tokens, month_tokens)
+
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+async def _api_error_handler(request: Request, err: APIError):
+    """Every inference request ends as one JSONL event: those refused before admission got none from finish()."""
+    if request.url.path in INFERENCE_PATHS and not getattr(request.state, "accounted", False):
+        admission = getattr(request.app.state, "admission", None)
+        if admission is not None:
+            admission.record_unadmitted(request, err)
+    return error_response(err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):
@@ -137,7 +150,8 @@ class RequestMiddleware:
             elif k == b"content-length":
                 length = int(v) if v.isdigit() else None
         request_id = new_request_id(client_id)
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["t0"] = request_id, time.perf_counter()
         rid_header = (b"x-request-id", request_id.encode())
         started = False
         bind_request(request_id=request_id)

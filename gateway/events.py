@@ -23,6 +23,7 @@ FIELDS = (
     "key_id",
     "model",
     "route",
+    "upstream_request_id",
     "instance",
     "priority",
     "status",
@@ -83,14 +84,23 @@ class EventWriter:
             await self.flush()
 
     def _write(self, chunk: list[bytes]) -> None:
-        data = b"".join(chunk)
         with self._lock:
             size = self.path.stat().st_size if self.path.exists() else 0
-            if size and size + len(data) > self.max_bytes:
-                self._rotate()
-            with open(self.path, "ab") as f:
-                f.write(data)
+            start = 0
+            # Rotate between lines, not between flushes: a burst must not grow one file past max_bytes.
+            for end, line in enumerate(chunk):
+                if size and size + len(line) > self.max_bytes:
+                    self._append(chunk[start:end])
+                    self._rotate()
+                    start, size = end, 0
+                size += len(line)
+            self._append(chunk[start:])
             self.written += len(chunk)
+
+    def _append(self, lines: list[bytes]) -> None:
+        if lines:
+            with open(self.path, "ab") as f:
+                f.write(b"".join(lines))
 
     def _rotate(self) -> None:
         if self.backups <= 0:

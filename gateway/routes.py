@@ -57,6 +57,7 @@ async def parse_body(request: Request, schema: type[BaseModel]) -> dict:
         raise APIError(400, "We could not parse the JSON body of your request.", "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", "invalid_json")
+    request.state.model = data.get("model")  # for the event of a request refused before admission
     try:
         schema.model_validate(data)
     except ValidationError as e:

@@ -35,7 +35,7 @@ def test_serve_prints_keys_and_sigterm_flushes_usage_and_events(tmp_path):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
     events = read_events(tmp_path / "ev.jsonl")
-    assert [e["status"] for e in events] == ["ok"] * 3
+    assert [(e["status"], e["reason"]) for e in events] == [("ok", None)] * 3 + [("rejected", "no_team")]
     store = Store.open(f"sqlite:///{db}")
     try:
         (row,) = store.usage()
@@ -68,8 +68,11 @@ def test_sigterm_cuts_a_long_stream_after_the_grace_and_still_bills_it(tmp_path)
             proc.wait(timeout=30)
     assert rest[-1] == "data: [DONE]" and '"code":"shutting_down"' in rest[-2], rest[-3:]
     (event,) = read_events(tmp_path / "ev.jsonl")
-    record = fake.records["cut-by-shutdown"]
-    assert (event["status"], event["reason"]) == ("cancelled", "shutdown") and "cut-by-shutdown" in fake.aborts
+    record = fake.records[event["upstream_request_id"]]
+    assert event["request_id"] == "cut-by-shutdown"
+    assert (event["status"], event["reason"]) == ("cancelled", "shutdown") and event[
+        "upstream_request_id"
+    ] in fake.aborts
     assert 0 < event["completion_tokens"] == record.completion_tokens < 200, (event, record, len(rest))
     store = Store.open(f"sqlite:///{db}")
     try:

@@ -61,7 +61,7 @@ def settled(stack, team_id: str, n_requests: int, timeout: float = 10.0) -> tupl
 
 def upstream_counts(stack, events: list[dict]) -> tuple[int, int]:
     records = stack["fake"].records
-    seen = [records[e["request_id"]] for e in events if e["request_id"] in records]
+    seen = [records[e["upstream_request_id"]] for e in events if e["upstream_request_id"] in records]
     return sum(r.prompt_tokens for r in seen), sum(r.completion_tokens for r in seen)
 
 
@@ -137,7 +137,7 @@ async def test_streams_cut_halfway_are_billed_exactly_what_was_made(stack):
     assert all(e["status"] == "cancelled" and e["reason"] == "client_disconnected" for e in cut_events)
     # each cut stream made at least what the client read, and far less than the 60 it asked for
     assert all(3 <= e["completion_tokens"] < 60 for e in cut_events)
-    assert all(e["request_id"] in stack["fake"].aborts for e in cut_events), "the engine was not told to abort"
+    assert all(e["upstream_request_id"] in stack["fake"].aborts for e in cut_events), "the engine was not told to abort"
     assert_exact(stack, events, stored)
     assert_no_leaks(stack, team.id)
 
@@ -178,7 +178,7 @@ async def test_no_leaks_after_a_storm_of_cancels_and_timeouts(stack):
     assert reasons.count("timeout") == 24 and reasons.count("client_disconnected") == 16, reasons
     mid = [e for e in events if e["reason"] == "timeout" and e["stream"] and e["completion_tokens"] > 0]
     assert len(mid) == 8 and all(e["http_status"] == 504 for e in mid)
-    assert all(e["request_id"] in stack["fake"].aborts for e in events), "every cut request must be aborted"
+    assert all(e["upstream_request_id"] in stack["fake"].aborts for e in events), "every cut request must be aborted"
     assert_exact(stack, events, stored)
     assert_no_leaks(stack, team.id)
     deadline = time.monotonic() + 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -240,3 +241,52 @@ async def test_metrics_show_per_team_budget_and_token_counters(stack):
     assert float(lines[f'tokenweir_gateway_reserved_tokens{{team="{team.id}"}}']) == 0
     key = f'tokenweir_gateway_completion_tokens_total{{model="{MODEL}",team="{team.id}"}}'
     assert float(lines[key]) == 4
+
+
+async def test_requests_refused_before_admission_still_end_as_one_event(stack):
+    """A bad key, a malformed body and an admin key on the inference API each leave exactly one rejected event."""
+    team, _, client = team_client(stack)
+    stranger = openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key="tw-not-a-real-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        await stranger.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    rid = exc.value.response.headers["x-request-id"]
+    (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
+    assert (event["status"], event["http_status"], event["team"]) == ("rejected", 401, None)
+    assert event["reason"] == exc.value.code
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    rid = exc.value.response.headers["x-request-id"]
+    (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
+    assert (event["status"], event["reason"], event["http_status"]) == ("rejected", "invalid_value", 400)
+    assert event["team"] == team.id and event["model"] == MODEL and event["completion_tokens"] == 0
+
+    admin_secret, _ = stack["store"].create_key(None, "admin-on-inference", is_admin=True)
+    admin = openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key=admin_secret, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as exc:
+        await admin.completions.create(model="made-up-" + "x" * 40, prompt="hi", max_tokens=1)
+    rid = exc.value.response.headers["x-request-id"]
+    (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
+    assert (event["reason"], event["http_status"]) == ("no_team", 403)
+
+    # client-chosen model names never become metric labels
+    metrics = (await stranger._client.get(stack["url"] + "/metrics")).text
+    assert "made-up-" not in metrics
+
+
+async def test_two_teams_sending_one_x_request_id_get_separate_upstream_requests(stack):
+    """The client's X-Request-Id is echoed and logged, but upstreams (and /abort) see an id of the gateway's own."""
+    (team_a, _, a), (team_b, _, b) = team_client(stack), team_client(stack)
+    same = {"x-request-id": "shared-by-two-clients"}
+    ra, rb = await asyncio.gather(
+        a.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=3, extra_headers=same),
+        b.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=4, extra_headers=same),
+    )
+    assert ra.headers["x-request-id"] == rb.headers["x-request-id"] == "shared-by-two-clients"
+    assert (ra.parse().usage.completion_tokens, rb.parse().usage.completion_tokens) == (3, 4)
+    deadline = time.monotonic() + 5
+    while len(events := wait_events(stack, lambda e: e["team"] in (team_a.id, team_b.id))) < 2:
+        assert time.monotonic() < deadline, events
+    assert {e["request_id"] for e in events} == {"shared-by-two-clients"}
+    upstream_ids = {e["upstream_request_id"] for e in events}
+    assert len(upstream_ids) == 2 and all(stack["fake"].records[u].completion_tokens in (3, 4) for u in upstream_ids)

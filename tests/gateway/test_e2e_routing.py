@@ -87,8 +87,10 @@ async def dispatch_order(stack, launches: list[tuple]) -> list[str]:
         await asyncio.sleep(0.005)  # arrival order is the launch order
     ids = await asyncio.gather(*tasks)
     await blocker
-    teams = {rid: team for rid, (_, team) in zip(ids, launches, strict=True)}
-    dispatched = [rid for rid in stack["fake"].records if rid in teams]  # records keep arrival order upstream
+    events = await wait_events(stack, ids)
+    # the upstream knows each request by the gateway's own id for it, not the client's x-request-id
+    teams = {events[rid]["upstream_request_id"]: team for rid, (_, team) in zip(ids, launches, strict=True)}
+    dispatched = [uid for uid in stack["fake"].records if uid in teams]  # records keep arrival order upstream
     return [teams[rid] for rid in dispatched]
 
 
@@ -175,13 +177,14 @@ async def test_client_leaving_while_queued_never_reaches_the_upstream(stack):
     assert event["client_disconnected"] and event["completion_tokens"] == 0
     assert stack["app"].state.queues["serial"].stats()["queued"] == 0, "the waiter left no trace"
     await blocker
-    assert "gone-while-queued" not in stack["fake"].records
+    assert event["upstream_request_id"] is None, "a request that never left the queue reached no upstream"
     snap = stack["app"].state.state_backend.snapshot(event["team"])
     assert snap["reserved_tokens"] == 0 and snap["in_flight"] == 0
 
 
 async def test_stream_failing_before_its_first_token_is_aborted_and_its_prefill_billed(stack):
     _, client = make_team(stack)
+    aborts_before = len(stack["fake"].aborts)
     with pytest.raises(openai.InternalServerError) as exc:
         await client.completions.create(
             model="twice",
@@ -194,5 +197,6 @@ async def test_stream_failing_before_its_first_token_is_aborted_and_its_prefill_
     assert exc.value.status_code == 503 and exc.value.code == "upstream_unavailable"
     event = (await wait_events(stack, ["fails-twice"]))["fails-twice"]
     assert event["route"] == ["twice@a", "twice@b"]
-    assert stack["fake"].aborts.count("fails-twice") == 2, "each failed hop is told to stop"
+    aborted = stack["fake"].aborts[aborts_before:]
+    assert len(set(aborted)) == 2 and event["upstream_request_id"] == aborted[-1], "each failed hop is told to stop"
     assert (event["prompt_tokens"], event["completion_tokens"]) == (2 * len(PROMPT), 0), "both prefills billed"
