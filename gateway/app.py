@@ -111,12 +111,16 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 async def _api_error_handler(request: Request, err: APIError):
+    record_unadmitted(request, err)
+    return error_response(err)
+
+
+def record_unadmitted(request: Request, err: APIError) -> None:
     """Every inference request ends as one JSONL event: those refused before admission got none from finish()."""
     if request.url.path in INFERENCE_PATHS and not getattr(request.state, "accounted", False):
         admission = getattr(request.app.state, "admission", None)
         if admission is not None:
             admission.record_unadmitted(request, err)
-    return error_response(err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):
@@ -164,6 +168,8 @@ class RequestMiddleware:
             await send(message)
 
         async def error(err: APIError) -> None:
+            if "app" in scope:  # set by Starlette once the request reached the app
+                record_unadmitted(Request(scope), err)
             body = orjson.dumps(err.body())
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             await send_with_id({"type": "http.response.start", "status": err.status, "headers": headers})

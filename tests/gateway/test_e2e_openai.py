@@ -194,6 +194,9 @@ async def test_bad_bodies_get_openai_errors_never_500(stack):
         big = {"model": MODEL, "messages": [{"role": "user", "content": "a" * 70_000}]}
         r = await http.post("/v1/chat/completions", json=big, headers=auth)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        rid = r.headers["x-request-id"]
+        (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
+        assert (event["status"], event["reason"], event["http_status"]) == ("rejected", "body_too_large", 413)
         r = await http.get("/v1/nothing-here", headers={"x-request-id": "my-id-1"})
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         assert r.headers["x-request-id"] == "my-id-1"
