@@ -320,6 +320,14 @@ class Admission:
         total = _tightest(ctx.limits.total_timeout_s, pool.total_timeout_s) or t.total_s
         return ttft, total
 
+    def instance_too_slow(self, ctx: Ctx, kind: str) -> bool:
+        """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
+        be routed around, but a team's tighter limit says nothing about the instance other teams share."""
+        pool, defaults = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        team_limit = getattr(ctx.limits, f"{kind}_timeout_s")
+        pool_limit = getattr(pool, f"{kind}_timeout_s") or getattr(defaults, f"{kind}_s")
+        return not team_limit or team_limit >= pool_limit
+
     def upstream_body(self, ctx: Ctx, hop: Hop) -> dict:
         if hop.instance.cfg.engine and "priority" not in ctx.body:
             return {**ctx.body, "priority": ctx.priority}
@@ -335,6 +343,7 @@ class Admission:
             )
         except TimeoutError:
             ctx.status, ctx.reason = "timeout", "timeout"
+            ctx.instance_ok = not self.instance_too_slow(ctx, "total")
             raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
         finally:
             ctx.upstream_end = time.perf_counter()
@@ -373,6 +382,7 @@ class Admission:
             ctx.status, ctx.reason = "timeout", "timeout"
             which = "first token" if loop.time() < ctx.deadline_base + total else "response"
             limit = ttft if which == "first token" else total
+            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if which == "first token" else "total")
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
         except HTTPError as e:
             raise relay.UpstreamFailed(f"{hop.label}: {type(e).__name__}") from e

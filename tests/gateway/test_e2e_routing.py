@@ -40,6 +40,8 @@ def stack(tmp_path_factory):
                 PoolConfig(
                     model="twice", upstreams=[UpstreamConfig(up.url, name="a"), UpstreamConfig(up.url, name="b")]
                 ),
+                PoolConfig(model="hangs", upstreams=[UpstreamConfig(up.url, name="slow")], ttft_timeout_s=0.2),
+                PoolConfig(model="hangs-for-a-team", upstreams=[UpstreamConfig(up.url, name="slow")]),
             ],
             breaker=BreakerConfig(failures=3, cooldown_s=60),
             events=EventsConfig(path=str(tmp / "events.jsonl"), flush_interval_s=0.05),
@@ -200,3 +202,26 @@ async def test_stream_failing_before_its_first_token_is_aborted_and_its_prefill_
     aborted = stack["fake"].aborts[aborts_before:]
     assert len(set(aborted)) == 2 and event["upstream_request_id"] == aborted[-1], "each failed hop is told to stop"
     assert (event["prompt_tokens"], event["completion_tokens"]) == (2 * len(PROMPT), 0), "both prefills billed"
+
+
+async def stream_timeouts(client, model: str, n: int) -> list[str]:
+    codes = []
+    for _ in range(n):
+        with pytest.raises(openai.APIStatusError) as exc:
+            await client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=2, stream=True, extra_body={"fake": {"ttft_ms": 1500}}
+            )
+        codes.append(f"{exc.value.status_code} {exc.value.code}")
+    return codes
+
+
+async def test_pool_timeouts_open_the_circuit_but_a_teams_tighter_limit_does_not(stack):
+    _, client = make_team(stack)
+    codes = await stream_timeouts(client, "hangs", 4)
+    assert codes == ["504 timeout"] * 3 + ["503 upstream_unavailable"], "a hung instance is routed around"
+    _, impatient = make_team(stack, ttft_timeout_s=0.2)
+    codes = await stream_timeouts(impatient, "hangs-for-a-team", 4)
+    assert codes == ["504 timeout"] * 4, "the team's own limit fired: the shared instance is not to blame"
+    async with httpx.AsyncClient(base_url=stack["url"]) as http:
+        pools = (await http.get("/health")).json()["pools"]
+    assert (pools["hangs"][0]["circuit"], pools["hangs-for-a-team"][0]["circuit"]) == ("open", "closed")
