@@ -380,9 +380,9 @@ class Admission:
                     first.append(out)
         except TimeoutError:
             ctx.status, ctx.reason = "timeout", "timeout"
-            which = "first token" if loop.time() < ctx.deadline_base + total else "response"
-            limit = ttft if which == "first token" else total
-            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if which == "first token" else "total")
+            first_token = loop.time() < ctx.deadline_base + total
+            which, limit = ("first token", ttft) if first_token else ("response", total)
+            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
         except HTTPError as e:
             raise relay.UpstreamFailed(f"{hop.label}: {type(e).__name__}") from e

@@ -22,7 +22,7 @@ from gateway.admission import Admission, new_request_id
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.dispatch_queue import DispatchQueue
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, api_error_handler, error_response
 from gateway.events import EventWriter
 from gateway.logging import bind_request, clear_request, get_logger
 from gateway.metrics import Metrics
@@ -112,7 +112,7 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 async def _api_error_handler(request: Request, err: APIError):
     record_unadmitted(request, err)
-    return error_response(err)
+    return await api_error_handler(request, err)
 
 
 def record_unadmitted(request: Request, err: APIError) -> None:
