@@ -148,7 +148,7 @@ async def test_queue_bound_rejects_at_once():
     with pytest.raises(Rejected) as info:
         await q.acquire("t", 1, timeout_s=10)
     err = info.value
-    assert (err.reason, err.status) == ("queue_full", 503)
+    assert (err.reason, err.status) == ("queue_full", 429)
     assert err.retry_after_s >= 1 and err.headers["retry-after"] == str(err.retry_after_s)
     assert q.stats()["rejected_full"] == 1
     q.release(blocker)

@@ -37,7 +37,7 @@ def test_rejected_carries_status_code_and_retry_after_header():
     r = Rejected("rate_limited", "slow down", 7, {"x-ratelimit-limit-requests": "10"})
     assert (r.status, r.code, r.retry_after_s, str(r)) == (429, "rate_limited", 7, "slow down")
     assert r.headers == {"x-ratelimit-limit-requests": "10", "retry-after": "7"}
-    assert Rejected("queue_full", "busy", 2).status == 503
+    assert Rejected("queue_full", "busy", 2).status == 429
     assert Rejected("too_long", "shorter").headers == {}
 
 
