@@ -5,6 +5,11 @@ go through the model's own chat template (`Tokenizer.encode_chat`), as the engin
 documented ESTIMATE: the default model's tokenizer (SmolLM2's 49k BPE) on the text plus a few tokens of chat
 framing per message. tiktoken's cl100k/o200k files are not shipped offline, so we do not pretend to match
 OpenAI's count; the reservation is settled to the upstream's reported usage anyway.
+
+Content parts: text parts are joined with newlines, as our engine (and vLLM) joins them before the chat template,
+so the exact count is the engine's own. Other parts (images, audio, files) cannot be counted here: a pool of our
+engines refuses them (they read text only), an external pool reserves `part_tokens` per part, an upper bound that
+settles to the upstream's usage. Assistant tool calls are counted as their JSON text.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import lru_cache
+
+import orjson
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
@@ -32,6 +39,14 @@ def _load(path: str):
     from engine.tokenizer import Tokenizer  # lazy: loading a vocabulary takes seconds, do it once per process
 
     return Tokenizer.from_gguf(path)
+
+
+class UnsupportedContent(Exception):
+    """A content part this pool cannot take (our engines read text only)."""
+
+    def __init__(self, part_type: str, param: str) -> None:
+        super().__init__(f"content part type {part_type!r} at {param}")
+        self.part_type, self.param = part_type, param
 
 
 class TokenCounter:
@@ -59,20 +74,38 @@ class TokenCounter:
             total += len(p) if isinstance(p, list) else self.count_text(str(p))
         return total
 
-    def count_chat(self, messages: list[dict]) -> int:
-        flat = [{"role": m.get("role", "user"), "content": message_text(m)} for m in messages]
+    def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
+        """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,
+        raising UnsupportedContent)."""
+        flat, extra = [], 0
+        for i, m in enumerate(messages):
+            text, parts = message_text(m, f"messages.{i}.content", part_tokens is not None)
+            extra += parts * (part_tokens or 0)
+            if m.get("tool_calls"):
+                text += orjson.dumps(m["tool_calls"]).decode()
+            flat.append({"role": m.get("role", "user"), "content": text})
         if self.exact:
-            return len(self.tokenizer.encode_chat(flat))
-        return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY
+            return len(self.tokenizer.encode_chat(flat)) + extra
+        return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra
 
 
-def message_text(message: dict) -> str:
-    """The text of a chat message: a string, or the text parts of a content list (images are not counted)."""
+def message_text(message: dict, where: str = "content", other_parts: bool = True) -> tuple[str, int]:
+    """The text of a chat message (a string, or its text parts joined with newlines as the engine joins them) and
+    its number of non-text parts; with `other_parts` False a non-text part raises UnsupportedContent."""
     content = message.get("content")
     if content is None:
-        return ""
+        return "", 0
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
+        return content, 0
+    if not isinstance(content, list):
+        return str(content), 0
+    texts, others = [], 0
+    for j, part in enumerate(content):
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif other_parts:
+            others += 1
+        else:
+            raise UnsupportedContent(str(kind), f"{where}.{j}")
+    return "\n".join(texts), others
