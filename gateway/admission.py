@@ -5,7 +5,13 @@
 Every step either passes or raises an APIError whose `code` is the event's `reason`. `finish` runs exactly once
 per request (in a finally, shielded from cancellation; for streams, when the stream ends): it stops the upstream
 if it may still be running (engine `/abort`, which returns the exact usage made), gives back the dispatch slot,
-the team's concurrency slot and the unused reservation, records usage, and writes the one JSONL event.
+the team's concurrency slot and the unused reservation, records usage, and writes the one JSONL event. Each of
+those steps has its own guard, so one that raises never skips the ones after it; a settle or a slot release the
+shared state cannot take now goes to the outbox and is replayed when it can.
+
+While the shared state is unreachable, reserving answers 503 `state_unavailable` (fail closed), or, with
+`state.on_unavailable: fail_open`, admits under this replica's own in-process limits and writes their spend to
+the shared state when it returns (through the outbox).
 """
 
 from __future__ import annotations
@@ -25,16 +31,19 @@ from gateway.events import EventWriter
 from gateway.http1 import HTTP1Pool, HTTPError
 from gateway.logging import get_logger
 from gateway.metrics import Metrics
-from gateway.token_count import TokenCounter
+from gateway.outbox import StateOutbox
+from gateway.state import InMemoryState, StateUnavailable
+from gateway.token_count import TokenCounter, UnsupportedContent
 from gateway.upstream import Hop, Upstreams
+from policies.budget import day_key
 from policies.caps import apply_caps
 from policies.decisions import Rejected
 from policies.limits import TeamLimits
 
 log = get_logger()
 
-# A full queue is a 429 for the client (back off and retry), like the rate limits; a queue deadline is 503.
-_REJECT_STATUS = {"queue_full": 429}
+# Client strings copied into events, logs and metric labels are cut to this many characters.
+MAX_CLIENT_STRING = 256
 
 
 @dataclass(eq=False)
@@ -58,9 +67,11 @@ class Ctx:
     prompt_tokens: int = 0
     reservation: object | None = None
     slot: bool = False
+    local_state: bool = False  # admitted under this replica's own limits while the shared state was away
     ticket: object | None = None
     queue_s: float | None = None
     hop: Hop | None = None
+    served_model: str | None = None  # the pool of the last hop tried: its usage row
     # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
     # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
     upstream_id: str = ""
@@ -97,9 +108,14 @@ class Admission:
         events: EventWriter,
         metrics: Metrics,
         usage,
+        outbox: StateOutbox | None = None,
     ) -> None:
         self.config, self.upstreams, self.state, self.queues = config, upstreams, state, queues
         self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
+        self.outbox = outbox
+        # fail_open: while the shared state is away, admit under this replica's own counters
+        self.local = InMemoryState() if config.state.on_unavailable == "fail_open" else None
+        self.state_ready = True  # False until start-up has seeded the shared state's budgets
         self._counters: dict[str, TokenCounter] = {}
         self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
 
@@ -173,9 +189,10 @@ class Admission:
             t0=getattr(request.state, "t0", None) or time.perf_counter(),
             deadline_base=0.0,
             priority=team.limits.priority if team is not None else 0,
-            status="rejected",
+            status="cancelled" if err.code == "client_disconnected" else "rejected",
             reason=err.code,
             http_status=err.status,
+            disconnected=err.code == "client_disconnected",
         )
         self.emit(ctx, time.perf_counter(), 0, 0, 0)
 
@@ -222,10 +239,21 @@ class Admission:
 
     def count_prompt(self, ctx: Ctx) -> None:
         counter = self.counter(ctx.model)
-        if ctx.kind == "chat":
-            ctx.prompt_tokens = counter.count_chat(ctx.body["messages"])
-        else:
+        if ctx.kind != "chat":
             ctx.prompt_tokens = counter.count_prompt(ctx.body["prompt"])
+            return
+        pool = self.upstreams.pools[ctx.model].cfg
+        # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
+        part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
+        try:
+            ctx.prompt_tokens = counter.count_chat(ctx.body["messages"], part_tokens)
+        except UnsupportedContent as e:
+            raise APIError(
+                400,
+                f"The model '{ctx.model}' takes text only: content part type '{e.part_type}' is not supported.",
+                "unsupported_content",
+                param=e.param,
+            ) from None
 
     def apply_caps(self, ctx: Ctx) -> None:
         body = ctx.body
@@ -252,12 +280,36 @@ class Admission:
 
     async def reserve(self, ctx: Ctx) -> None:
         try:
-            ctx.reservation = await self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+            try:
+                if not self.state_ready:
+                    raise StateUnavailable("the shared state is not seeded yet")
+                ctx.reservation = await self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+            except StateUnavailable as e:
+                if self.local is None:
+                    raise self.state_unavailable(e) from None
+                log.warning("state_unavailable_fail_open", error=str(e))
+                ctx.local_state = True
+                ctx.reservation = await self.local.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
         except Rejected as r:
             raise _api_error(r) from None
 
+    def state_unavailable(self, err: Exception) -> APIError:
+        log.warning("state_unavailable", error=str(err))
+        retry = self.config.state.retry_after_s
+        return APIError(
+            503,
+            f"The gateway cannot reach its shared limits state; retry in {retry}s.",
+            "state_unavailable",
+            headers={"retry-after": str(retry)},
+        )
+
     async def take_slot(self, ctx: Ctx) -> None:
-        if not await self.state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency):
+        state = self.local if ctx.local_state else self.state
+        try:
+            got = await state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency)
+        except StateUnavailable as e:
+            raise self.state_unavailable(e) from None
+        if not got:
             raise APIError(
                 429,
                 f"Too many requests in flight: your team may run {ctx.limits.max_concurrency} at once. "
@@ -281,6 +333,7 @@ class Admission:
         for hop in hops:
             ctx.route.append(hop.label)
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
+            ctx.served_model = hop.model
             ctx.upstream_id = "tw-" + uuid.uuid4().hex
             hop.instance.take(time.monotonic())
             self.metrics.in_flight.labels(ctx.model).inc()
@@ -290,9 +343,10 @@ class Admission:
                 return await self.call(ctx, hop)
             except relay.UpstreamFailed as e:
                 last, ctx.incomplete = str(e), False
-                if ctx.sse is not None and hop.instance.cfg.engine:
-                    # The stream opened, then failed before its first token: the engine may have prefilled.
-                    # Stop it and keep what it counted, so the bill still matches the engine's counters.
+                if hop.instance.cfg.engine:
+                    # The request may have reached the engine (a stream that failed before its first token, a
+                    # connection lost after sending): stop it and keep what it counted, so the bill still
+                    # matches the engine's counters.
                     answer = await relay.abort(self.client, hop, ctx.upstream_id)
                     usage = (answer or {}).get("usage") or {}
                     ctx.spilled[0] += int(usage.get("prompt_tokens") or 0)
@@ -461,20 +515,55 @@ class Admission:
                 if answer and answer.get("usage"):
                     ctx.usage = answer["usage"]
             await self.close_stream(ctx)
-        finally:
-            # 2) Slots back at once (no awaits before them that could fail), then settle and account.
-            if ctx.ticket is not None:
-                self.queues[ctx.model].release(ctx.ticket)
-            if ctx.slot:
-                await self.state.release_slot(ctx.team_id)
+        except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
+            log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
+        # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
+        if ctx.ticket is not None:
+            self._guard(self.queues[ctx.model].release, ctx.ticket)
+        state = self.local if ctx.local_state else self.state
+        if ctx.slot:
+            ctx.slot = False
+            await self._state_change(state.release_slot(ctx.team_id), ctx)
+        try:
             prompt, completion, cached = self.billable(ctx)
-            if hop is not None:
-                self.release_hop(ctx, ok=ctx.instance_ok)
-            if ctx.reservation is not None:
-                await self.state.settle(ctx.reservation, prompt, completion)
-            if hop is not None:
-                self.usage.add(ctx.team_id, hop.model, prompt, completion, cached)
-            self.emit(ctx, time.perf_counter(), prompt, completion, cached)
+        except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
+            log.exception("finish_billable_failed", request_id=ctx.request_id)
+            prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
+        if hop is not None:
+            self._guard(self.release_hop, ctx, ctx.instance_ok)
+        ts = time.time()
+        if ctx.reservation is not None:
+            await self._state_change(state.settle(ctx.reservation, prompt, completion, ts), ctx)
+            if ctx.local_state and self.outbox is not None:
+                # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
+                op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
+                self.outbox.put(op | {"tokens": prompt + completion, "now": ts})
+        self._guard(self.record, ctx, ts, prompt, completion, cached)
+
+    def record(self, ctx: Ctx, ts: float, prompt: int, completion: int, cached: int) -> None:
+        """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
+        write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
+        seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts)
+        if ctx.route:
+            model = ctx.served_model or ctx.model
+            self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)
+
+    async def _state_change(self, change, ctx: Ctx) -> None:
+        try:
+            await change
+        except StateUnavailable as e:
+            if e.pending is not None and self.outbox is not None:
+                self.outbox.put(e.pending)
+            log.warning("state_change_deferred", request_id=ctx.request_id, error=str(e))
+        except Exception:  # noqa: BLE001
+            log.exception("state_change_failed", request_id=ctx.request_id)
+
+    @staticmethod
+    def _guard(step, *args) -> None:
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - one failed step must not skip the others
+            log.exception("finish_step_failed", step=getattr(step, "__name__", str(step)))
 
     def billable(self, ctx: Ctx) -> tuple[int, int, int]:
         """What the request cost: the upstream's own usage when it reported one, else our count; plus what
@@ -496,7 +585,7 @@ class Admission:
             completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
         return ctx.prompt_tokens, completion, 0
 
-    def emit(self, ctx: Ctx, now: float, prompt: int, completion: int, cached: int) -> None:
+    def emit(self, ctx: Ctx, now: float, prompt: int, completion: int, cached: int, ts: float | None = None) -> int:
         e2e = now - ctx.t0
         tpot = None
         chunks = ctx.chunks
@@ -504,13 +593,14 @@ class Admission:
             tpot = (chunks.last_token_at - chunks.first_token_at) / (completion - 1)
         if ctx.finish_reason is None and chunks is not None:
             ctx.finish_reason = chunks.finish_reason
-        self.events.emit(
+        seq = self.events.emit(
             {
-                "ts": time.time(),
+                "ts": ts or time.time(),
                 "request_id": ctx.request_id,
                 "team": ctx.team_id,
                 "key_id": ctx.key_id,
-                "model": ctx.model,
+                "model": clip(ctx.model),
+                "served_model": ctx.served_model,
                 "route": ctx.route,
                 "upstream_request_id": ctx.upstream_id or None,
                 "instance": ctx.route[-1] if ctx.route else None,
@@ -554,15 +644,23 @@ class Admission:
                 "request_not_ok",
                 request_id=ctx.request_id,
                 team=ctx.team_id,
-                model=ctx.model,
+                model=clip(ctx.model),
                 status=ctx.status,
                 reason=ctx.reason,
                 http_status=ctx.http_status,
             )
+        return seq
 
 
 def _api_error(r: Rejected) -> APIError:
-    return APIError(_REJECT_STATUS.get(r.reason, r.status), r.message, r.reason, headers=r.headers)
+    return APIError(r.status, r.message, r.reason, headers=r.headers)
+
+
+def clip(value: str | None) -> str | None:
+    """A client string as it may appear in an event, a log line or a label."""
+    if isinstance(value, str) and len(value) > MAX_CLIENT_STRING:
+        return value[:MAX_CLIENT_STRING] + "..."
+    return value
 
 
 def _rate_headers(ctx: Ctx) -> dict[str, str]:

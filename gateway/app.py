@@ -1,20 +1,26 @@
 """The gateway app: `create_app(config)` wires store, auth, state, queues, upstreams, events and metrics.
 
 The lifespan opens what needs opening and, on shutdown (uvicorn runs it on SIGTERM too), drains: usage and
-events are flushed before the process goes.
+events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
+store, and seeds the shared state's budgets from the store, retrying (and answering 503 state_unavailable
+meanwhile) while the state backend is unreachable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway import relay
 from gateway.admin import router as admin_router
@@ -23,12 +29,14 @@ from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.dispatch_queue import DispatchQueue
 from gateway.errors import APIError, api_error_handler, error_response
-from gateway.events import EventWriter
+from gateway.events import EventWriter, replay_after
 from gateway.logging import bind_request, clear_request, get_logger
 from gateway.metrics import Metrics
+from gateway.outbox import StateOutbox
+from gateway.probes import router as probes_router
 from gateway.routes import router, validation_error
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
+from gateway.state import InMemoryState, StateUnavailable
+from gateway.state_redis import REDIS_ERRORS, RedisState
 from gateway.store import Store
 from gateway.upstream import Upstreams
 from gateway.usage import UsageRecorder
@@ -41,7 +49,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     upstreams = Upstreams(config)
     metrics = Metrics()
     own_state = state_backend is None
-    state = state_backend or (RedisState(config.state_url) if config.state_url else InMemoryState())
+    state = state_backend or make_state(config)
     queues = {name: DispatchQueue(p.cfg.capacity, p.cfg.max_queued) for name, p in upstreams.pools.items()}
     events = EventWriter(
         config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
@@ -51,24 +59,41 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     async def lifespan(app: FastAPI):
         own_store = store is None
         st = store or await asyncio.to_thread(Store.open, config.store_url)
-        usage = UsageRecorder(st, config.usage_flush_interval_s)
+        writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
+        usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
         client = relay.make_client(config.timeouts.connect_s)
+        outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
+        admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox)
         app.state.store = st
         app.state.authenticator = Authenticator(st, config.auth_cache_ttl_s)
         app.state.usage = usage
         app.state.http = client
-        app.state.admission = Admission(config, upstreams, state, queues, client, events, metrics, usage)
-        await seed_budgets(st, state)
-        await asyncio.to_thread(app.state.admission.warm)
-        await usage.start()
+        app.state.outbox = outbox
+        app.state.admission = admission
+        await replay_usage(st, usage, events, config)
         await events.start()
+        if admission.local is not None:
+            await seed_budgets(st, admission.local)
+        seeding = None
+        if isinstance(state, InMemoryState):
+            await seed_budgets(st, state)
+        else:
+            admission.state_ready = False
+            seeding = asyncio.create_task(seed_until_ready(st, state, admission))
+        await asyncio.to_thread(admission.warm)
+        await usage.start()
+        await outbox.start()
         upstreams.start(client)
         log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
         try:
             yield
         finally:
             await relay.wait_background()  # requests cut at shutdown still abort, settle and write their event
+            if seeding is not None:
+                seeding.cancel()
+                await asyncio.gather(seeding, return_exceptions=True)
             await upstreams.close()
+            await outbox.close()
             await usage.close()
             await events.close()
             await client.aclose()
@@ -85,6 +110,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     app.state.state_backend = state
     app.state.queues = queues
     app.state.events = events
+    app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)
     app.add_exception_handler(APIError, _api_error_handler)
@@ -92,6 +118,55 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
     return app
+
+
+def make_state(config: GatewayConfig):
+    if not config.state_url:
+        return InMemoryState()
+    sc = config.state
+    return RedisState(
+        config.state_url,
+        # a hold outlives the longest request, so it is never reaped while its request still runs
+        hold_s=max(900.0, config.timeouts.queue_s + config.timeouts.total_s + 60.0),
+        max_connections=sc.max_connections,
+        pool_timeout_s=sc.pool_timeout_s,
+        timeout_s=sc.timeout_s,
+    )
+
+
+async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, config: GatewayConfig) -> None:
+    """Usage of the events written after the store's watermark for this writer (a crash came between the event
+    and the usage flush): added and flushed before anything is served or any budget is seeded."""
+    watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
+    path, backups = config.events.path, config.events.backups
+    replayed = 0
+    for e in await asyncio.to_thread(lambda: list(replay_after(path, watermark, backups))):
+        usage.seq = max(usage.seq, e["seq"])  # the watermark passes events without usage too
+        if e.get("route") and e.get("team"):
+            model = e.get("served_model") or e.get("model")
+            prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
+            day = datetime.fromtimestamp(e["ts"], UTC).strftime("%Y-%m-%d")
+            usage.add(e["team"], model, prompt, completion, e.get("cached_tokens") or 0, day=day, seq=e["seq"])
+            replayed += 1
+    events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last
+    if replayed:
+        await usage.flush()
+        log.warning("usage_replayed", events=replayed, after_seq=watermark, writer=usage.writer)
+
+
+async def seed_until_ready(store: Store, state, admission: Admission) -> None:
+    """Seed the shared state's budgets, retrying while it is unreachable; admission waits for it (503 meanwhile)."""
+    delay = 0.25
+    while True:
+        try:
+            await seed_budgets(store, state)
+            admission.state_ready = True
+            log.info("state_ready")
+            return
+        except (StateUnavailable, *REDIS_ERRORS) as e:
+            log.warning("state_unreachable_at_start", error=f"{type(e).__name__}: {e}", retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def seed_budgets(store: Store, state) -> None:
@@ -104,10 +179,12 @@ async def seed_budgets(store: Store, state) -> None:
 
     for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
         if day_tokens or month_tokens:
-            state.seed_spend(team_id, day_tokens, month_tokens)
+            await asyncio.to_thread(state.seed_spend, team_id, day_tokens, month_tokens)
 
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+CLIENT_GONE = APIError(499, "The client closed the connection before the request was read.", "client_disconnected")
+SHUTTING_DOWN = APIError(503, "The gateway is shutting down; retry.", "shutting_down", headers={"retry-after": "1"})
 
 
 async def _api_error_handler(request: Request, err: APIError):
@@ -199,6 +276,15 @@ class RequestMiddleware:
         except BodyTooLarge:
             if not started:
                 await error(too_large)
+        except ClientDisconnect:  # gone while we read its body: nothing to answer, one event to write
+            if "app" in scope:
+                record_unadmitted(Request(scope), CLIENT_GONE)
+        except asyncio.CancelledError:
+            # The server is shutting down past its grace: a proper OpenAI error, never uvicorn's plain-text 500.
+            if not started:
+                with contextlib.suppress(Exception):
+                    await error(SHUTTING_DOWN)
+            raise
         except Exception:
             log.exception("unhandled_error", path=scope.get("path"))
             if not started:

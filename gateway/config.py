@@ -46,6 +46,28 @@ class PoolConfig:
     max_queued: int = 1024
     ttft_timeout_s: float | None = None
     total_timeout_s: float | None = None
+    # External pools: a non-text content part (image, audio, file) is reserved at this many tokens, an upper
+    # bound settled to the upstream's usage. Our engines take text only and refuse other parts with a 400.
+    non_text_part_tokens: int = 2048
+
+
+@dataclass
+class StateConfig:
+    """The shared state backend (Redis): its connection pool, and what to do while it is unreachable."""
+
+    max_connections: int = 256  # the pool blocks up to pool_timeout_s for a free connection, never raises at once
+    pool_timeout_s: float = 2.0
+    timeout_s: float = 2.0  # connect and per-command socket timeout
+    # fail_closed: 503 state_unavailable + Retry-After; fail_open: admit under this replica's own limits and
+    # write the spend to Redis when it returns.
+    on_unavailable: str = "fail_closed"
+    retry_after_s: int = 2
+
+    def __post_init__(self) -> None:
+        if self.on_unavailable not in ("fail_closed", "fail_open"):
+            raise ValueError(f"state.on_unavailable: expected fail_closed or fail_open, got {self.on_unavailable!r}")
+        if self.max_connections < 1 or self.pool_timeout_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("state: max_connections >= 1, pool_timeout_s > 0 and timeout_s > 0")
 
 
 @dataclass
@@ -67,7 +89,9 @@ class EventsConfig:
     path: str = "./data/events.jsonl"
     max_bytes: int = 64 * 1024 * 1024
     backups: int = 5
-    flush_interval_s: float = 0.5
+    flush_interval_s: float = 0.5  # lines are written at once; this is how often they are fsynced
+    # Whose events these are, for the usage watermark (default host:absolute path): unique per gateway process.
+    writer_id: str | None = None
 
 
 @dataclass
@@ -88,6 +112,7 @@ class GatewayConfig:
     port: int = 8000
     store_url: str = "sqlite:///./data/tokenweir.db"
     state_url: str | None = None  # redis://host:6379/0: limits shared by several gateway replicas; None: in-process
+    state: StateConfig = field(default_factory=StateConfig)
     pools: list[PoolConfig] = field(default_factory=list)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -101,6 +126,8 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are cut (and billed)
     log_level: str = "info"
     access_log: bool = False
+    # /metrics lists team ids and budgets: when set, a scrape needs `Authorization: Bearer <metrics_token>`.
+    metrics_token: str | None = None
 
     def pool(self, model: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.model == model), None)

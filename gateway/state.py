@@ -19,6 +19,17 @@ from policies.reservation import Reservation
 from policies.retry import reset_header
 
 
+class StateUnavailable(Exception):
+    """The shared state backend cannot be reached (or did not answer in time).
+
+    `pending` is set when the failed call changed state that must still change (a settle, a slot release): the
+    caller keeps it in the outbox, and `replay(pending)` on the backend applies it later (idempotent)."""
+
+    def __init__(self, message: str, pending: dict | None = None) -> None:
+        super().__init__(message)
+        self.pending = pending
+
+
 @dataclass
 class _Team:
     rpm: SlidingWindow | None = None
@@ -162,6 +173,13 @@ class InMemoryState:
             "remaining_day": team.day.remaining(now),
             "remaining_month": team.month.remaining(now),
         }
+
+    async def read_snapshot(self, team_id: str) -> dict:
+        """`snapshot` for async callers (the Redis backend reads over the network)."""
+        return self.snapshot(team_id)
+
+    async def ping(self) -> None:
+        """Readiness: an in-process state is always up."""
 
     def teams(self) -> list[str]:
         return list(self._teams)

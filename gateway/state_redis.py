@@ -19,6 +19,7 @@ and `seed_spend` are sync by contract and use a small blocking client (an admin 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
@@ -26,11 +27,16 @@ import uuid
 import redis
 import redis.asyncio as aioredis
 
+from gateway.state import StateUnavailable
 from policies.budget import DAY, MONTH, day_key, month_key, period_bounds, seconds_until_reset
 from policies.decisions import budget_rejection, rate_rejection
 from policies.limits import TeamLimits
 from policies.reservation import Reservation
 from policies.retry import reset_header
+
+# What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
+# ConnectionError("No connection available"), a command past its socket timeout TimeoutError).
+REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
 
 WINDOW_S = 60.0
 SLOTS = 60
@@ -185,15 +191,42 @@ def _lim(value: int | None) -> int:
 
 
 class RedisState:
-    """`InMemoryState`'s contract over Redis. `lease_s` bounds how long a dead replica's holds and slots last."""
+    """`InMemoryState`'s contract over Redis.
+
+    `lease_s` bounds how long a dead replica's concurrency slots last (live ones are renewed every lease_s / 3);
+    `hold_s` how long its budget holds last (default lease_s; the app sets it past the longest request, so a
+    hold is never reaped while its request still runs). Every call has a socket timeout and the pool waits up
+    to `pool_timeout_s` for a free connection instead of failing at once; a call that still fails raises
+    `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release."""
 
     def __init__(
-        self, url: str = "redis://127.0.0.1:6379/0", *, prefix: str = "tw", lease_s: float = 900.0, clock=time.time
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "tw",
+        lease_s: float = 60.0,
+        hold_s: float | None = None,
+        max_connections: int = 256,
+        pool_timeout_s: float = 2.0,
+        timeout_s: float = 2.0,
+        clock=time.time,
     ) -> None:
-        assert lease_s > 0
+        assert lease_s > 0 and (hold_s is None or hold_s > 0)
         self.prefix, self.lease_s, self._clock = prefix, lease_s, clock
-        self._redis = aioredis.Redis.from_url(url, decode_responses=True)
-        self._sync = redis.Redis.from_url(url, decode_responses=True)  # snapshot() is sync by contract
+        self.hold_s = hold_s or lease_s
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
+        # seed_spend() and snapshot() are sync by contract (start-up, tests)
+        self._sync = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
         self._acquire = self._redis.register_script(_ACQUIRE)
@@ -223,9 +256,12 @@ class RedisState:
         keys = [self._key(team_id, "rpm"), self._key(team_id, "tpm"), day_k, month_k]
         keys += [self._key(team_id, "holds"), self._key(team_id, "meta")]
         args = [repr(now), n, _lim(limits.rpm), _lim(limits.tpm), _lim(limits.tokens_per_day)]
-        args += [_lim(limits.tokens_per_month), WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id, self.lease_s]
+        args += [_lim(limits.tokens_per_month), WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id, self.hold_s]
         args += [self._key(team_id, "res:")]
-        code, detail, rpm_used, tpm_used = await self._reserve(keys=keys, args=args)
+        try:
+            code, detail, rpm_used, tpm_used = await self._reserve(keys=keys, args=args)
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"reserve: {type(e).__name__}: {e}") from e
         headers = _headers(limits, int(rpm_used), int(tpm_used), now)
         if code == 1:
             wait = float(detail)
@@ -247,17 +283,30 @@ class RedisState:
         if reservation.settled:
             return reservation
         now = self._clock() if now is None else now
-        team_id, res_id = reservation.team_id, reservation.backend_id
-        actual = prompt_tokens + completion_tokens
-        day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
-        keys = [self._key(team_id, "tpm"), day_k, month_k, self._key(team_id, "holds")]
-        keys += [self._key(team_id, "meta"), self._key(team_id, f"res:{res_id}")]
-        args = [repr(now), actual, WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id]
-        over = await self._settle(keys=keys, args=args)
+        op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
+        op |= {"tokens": prompt_tokens + completion_tokens, "now": now}
+        over = await self.replay(op)
         reservation.settled = True
-        reservation.actual_tokens = actual
+        reservation.actual_tokens = prompt_tokens + completion_tokens
         reservation.overshoot = max(0, int(over))
         return reservation
+
+    async def replay(self, op: dict) -> int:
+        """Apply a settle or a slot release, now or again later from the outbox (both are idempotent: a settle
+        stops at its tombstone, a release of a lease already gone removes nothing)."""
+        try:
+            if op["op"] == "release_slot":
+                await self._redis.zrem(self._key(op["team_id"], "slots"), op["lease_id"])
+                return 0
+            assert op["op"] == "settle", op
+            team_id, res_id, now = op["team_id"], op["res_id"], op["now"]
+            day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
+            keys = [self._key(team_id, "tpm"), day_k, month_k, self._key(team_id, "holds")]
+            keys += [self._key(team_id, "meta"), self._key(team_id, f"res:{res_id}")]
+            args = [repr(now), op["tokens"], WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id]
+            return int(await self._settle(keys=keys, args=args))
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
 
     async def release(self, reservation: Reservation, now: float | None = None) -> Reservation:
         return await self.settle(reservation, 0, 0, now)
@@ -267,8 +316,14 @@ class RedisState:
         lease_id = uuid.uuid4().hex
         key = self._key(team_id, "slots")
         args = [repr(self._clock()), self.lease_s, _lim(max_concurrency), lease_id]
-        if not await self._acquire(keys=[key], args=args):
-            return False
+        try:
+            if not await self._acquire(keys=[key], args=args):
+                return False
+        except REDIS_ERRORS as e:
+            # The lease may have been taken before the answer was lost: drop it (best effort), else it would
+            # hold one of the team's slots until it expires.
+            self._forget(key, lease_id)
+            raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}") from e
         self._leases.setdefault(team_id, []).append(lease_id)
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop())
@@ -276,13 +331,18 @@ class RedisState:
 
     async def release_slot(self, team_id: str) -> None:
         """Drop one of this replica's leases. The local bookkeeping happens before the await, so a
-        cancellation during the round trip still frees the slot here; Redis then lets it lapse by expiry."""
+        cancellation during the round trip still frees the slot here; a failed call raises StateUnavailable with
+        the release pending (for the outbox), and Redis lets the lease lapse by expiry meanwhile."""
         leases = self._leases.get(team_id)
         assert leases, f"release_slot without acquire_slot for team {team_id}"
         lease_id = leases.pop()
         if not leases:
             del self._leases[team_id]
-        await asyncio.shield(self._redis.zrem(self._key(team_id, "slots"), lease_id))
+        await asyncio.shield(self.replay({"op": "release_slot", "team_id": team_id, "lease_id": lease_id}))
+
+    def _forget(self, key: str, lease_id: str) -> None:
+        task = asyncio.ensure_future(self._redis.zrem(key, lease_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def renew_leases(self) -> None:
         """Push out the expiry of every lease this replica holds (the background task calls this)."""
@@ -295,7 +355,8 @@ class RedisState:
     async def _renew_loop(self) -> None:
         while self._leases:
             await asyncio.sleep(self.lease_s / 3)
-            await self.renew_leases()
+            with contextlib.suppress(*REDIS_ERRORS):  # Redis is away: next round (a lease lasts three)
+                await self.renew_leases()
 
     def seed_spend(self, team_id: str, day_tokens: int, month_tokens: int, now: float | None = None) -> None:
         """Fill in spend from the store only where Redis has none: the live counters, shared by replicas that
@@ -310,13 +371,36 @@ class RedisState:
     def snapshot(self, team_id: str, now: float | None = None) -> dict:
         """Live counters across all replicas (one pipelined read; sync because the contract is)."""
         now = self._clock() if now is None else now
-        day_k, month_k, d, m, _, _ = self._period_keys(team_id, now)
-        oldest = math.floor(now / (WINDOW_S / SLOTS)) - SLOTS
         with self._sync.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self._key(team_id, "rpm")).hgetall(self._key(team_id, "tpm"))
-            pipe.hgetall(day_k).hgetall(month_k).hgetall(self._key(team_id, "meta"))
-            pipe.zcount(self._key(team_id, "slots"), f"({now!r}", "+inf").zcard(self._key(team_id, "holds"))
-            rpm, tpm, day, month, meta, in_flight, holds = pipe.execute()
+            return self._snapshot_view(team_id, now, self._snapshot_reads(pipe, team_id, now).execute())
+
+    async def read_snapshot(self, team_id: str) -> dict:
+        """`snapshot` without blocking the event loop; StateUnavailable when Redis cannot answer."""
+        now = self._clock()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                results = await self._snapshot_reads(pipe, team_id, now).execute()
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"snapshot: {type(e).__name__}: {e}") from e
+        return self._snapshot_view(team_id, now, results)
+
+    async def ping(self) -> None:
+        """Readiness: StateUnavailable when Redis does not answer."""
+        try:
+            await self._redis.ping()
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
+
+    def _snapshot_reads(self, pipe, team_id: str, now: float):
+        day_k, month_k, *_ = self._period_keys(team_id, now)
+        pipe.hgetall(self._key(team_id, "rpm")).hgetall(self._key(team_id, "tpm"))
+        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._key(team_id, "meta"))
+        return pipe.zcount(self._key(team_id, "slots"), f"({now!r}", "+inf").zcard(self._key(team_id, "holds"))
+
+    def _snapshot_view(self, team_id: str, now: float, results: list) -> dict:
+        _, _, d, m, _, _ = self._period_keys(team_id, now)
+        oldest = math.floor(now / (WINDOW_S / SLOTS)) - SLOTS
+        rpm, tpm, day, month, meta, in_flight, holds = results
 
         def used(window: dict) -> int:
             return sum(int(c) for s, c in window.items() if int(s) >= oldest)

@@ -384,11 +384,21 @@ class Store:
 
     # --- usage ----------------------------------------
 
-    def record_usage(self, rows: list[UsageRow]) -> None:
-        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none."""
-        if not rows:
+    def record_usage(self, rows: list[UsageRow], watermark: tuple[str, int] | None = None) -> None:
+        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none.
+        `watermark` (writer, seq): the rows include every event of that writer up to seq, recorded atomically."""
+        if not rows and watermark is None:
             return
         with self._tx() as db:
+            if watermark is not None:
+                db.execute(
+                    "INSERT INTO usage_watermarks (writer, seq) VALUES (?, ?)"
+                    " ON CONFLICT (writer) DO UPDATE SET seq = excluded.seq"
+                    " WHERE excluded.seq > usage_watermarks.seq",
+                    watermark,
+                )
+            if not rows:
+                return
             db.executemany(
                 f"INSERT INTO usage_daily ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (team_id, day, model) DO UPDATE SET"
@@ -422,6 +432,11 @@ class Store:
             sql += " WHERE " + " AND ".join(where)
         rows = self._read(sql + " ORDER BY day, team_id, model", params)
         return [UsageRow(r[0], r[1], r[2], *(int(v) for v in r[3:])) for r in rows]
+
+    def usage_watermark(self, writer: str) -> int:
+        """The last event seq of `writer` whose usage is stored (0 if none)."""
+        rows = self._read("SELECT seq FROM usage_watermarks WHERE writer = ?", (writer,))
+        return int(rows[0][0]) if rows else 0
 
     def spent_tokens(self, team_id: str, since_day: str) -> int:
         """Prompt + completion tokens since a day (inclusive): seeds the day/month budgets at start."""

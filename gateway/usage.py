@@ -3,6 +3,8 @@
 Rows are summed in memory per (team, UTC day, model) and written in one transaction every `flush_interval_s` and on
 close. A flush that fails puts its rows back (summed with anything added meanwhile) for the next try, so a database
 outage delays usage but never loses it; close() retries and, as a last resort, logs the rows it could not write.
+Each row comes from an event (`seq`): a flush also stores the writer's last seq it covers, in the same transaction,
+so a crash before the flush costs nothing: start-up replays the events after that watermark (gateway/events.py).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ _Totals = list[int]
 
 
 class UsageRecorder:
-    def __init__(self, store: Store, flush_interval_s: float = 2.0) -> None:
+    def __init__(self, store: Store, flush_interval_s: float = 2.0, writer: str | None = None) -> None:
         assert flush_interval_s > 0
         self.store = store
+        self.writer = writer  # the event writer whose seqs the watermark counts
+        self.seq = 0  # the last event seq added (the watermark the next flush stores)
         self.flush_interval_s = flush_interval_s
         self._pending: dict[tuple[str, str, str], _Totals] = {}
         self._flush_lock = asyncio.Lock()
@@ -44,6 +48,7 @@ class UsageRecorder:
         *,
         requests: int = 1,
         day: str | None = None,
+        seq: int | None = None,
     ) -> None:
         """Count one request. Sync and cheap: safe to call from a `finally` while the task is being cancelled."""
         # Checked here, at the caller, because a bad row would fail every later flush of the whole batch.
@@ -55,6 +60,8 @@ class UsageRecorder:
         totals[1] += prompt_tokens
         totals[2] += completion_tokens
         totals[3] += cached_tokens
+        if seq is not None:
+            self.seq = max(self.seq, seq)
 
     def pending(self) -> list[UsageRow]:
         """What is counted but not yet written."""
@@ -79,7 +86,8 @@ class UsageRecorder:
                 return 0
             batch, self._pending = self._pending, {}
             rows = [UsageRow(t, d, m, *totals) for (t, d, m), totals in batch.items()]
-            write = asyncio.ensure_future(asyncio.to_thread(self.store.record_usage, rows))
+            watermark = (self.writer, self.seq) if self.writer is not None and self.seq else None
+            write = asyncio.ensure_future(asyncio.to_thread(self.store.record_usage, rows, watermark))
             self._writing = write
             try:
                 await asyncio.shield(write)

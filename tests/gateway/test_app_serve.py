@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import httpx
 
@@ -18,7 +20,7 @@ def test_serve_prints_keys_and_sigterm_flushes_usage_and_events(tmp_path):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(
             f"pools:\n  - model: m\n    upstreams:\n      - base_url: {upstream.url}\n"
-            # flushes far apart: only the shutdown flush can have written what we find afterwards
+            # usage flushes far apart: only the shutdown flush can have written what we find afterwards
             f"events: {{path: {tmp_path}/ev.jsonl, flush_interval_s: 600}}\nusage_flush_interval_s: 600\n"
         )
         db = tmp_path / "tw.db"
@@ -31,7 +33,12 @@ def test_serve_prints_keys_and_sigterm_flushes_usage_and_events(tmp_path):
                 assert r.status_code == 200, r.text
             r = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {admin}"})
             assert r.status_code == 403 and r.json()["error"]["code"] == "no_team"
-            assert not read_events(tmp_path / "ev.jsonl"), "events were flushed before shutdown: test proves nothing"
+            assert len(read_events(tmp_path / "ev.jsonl")) == 4, "events are the write-ahead record: on disk at once"
+            before = Store.open(f"sqlite:///{db}")
+            try:
+                assert not before.usage(), "usage was flushed before shutdown: this test would prove nothing"
+            finally:
+                before.close()
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
     events = read_events(tmp_path / "ev.jsonl")
@@ -80,3 +87,35 @@ def test_sigterm_cuts_a_long_stream_after_the_grace_and_still_bills_it(tmp_path)
         assert (row.prompt_tokens, row.completion_tokens) == (3, record.completion_tokens)
     finally:
         store.close()
+
+
+def test_sigterm_past_the_grace_answers_a_waiting_request_with_a_json_503(tmp_path):
+    fake = FakeUpstream(model="m")
+    with ServerThread(fake) as upstream:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(
+            f"pools:\n  - model: m\n    upstreams:\n      - base_url: {upstream.url}\n"
+            f"events: {{path: {tmp_path}/ev.jsonl}}\nshutdown_grace_s: 0.5\n"
+        )
+        args = ["--no-engine", "--config", str(cfg), "--port", str(free_port()), "--store", f"sqlite:///{tmp_path}/d"]
+        with serve_process(args) as served:
+            body = {"model": "m", "prompt": "a b c", "max_tokens": 5, "fake": {"ttft_ms": 10_000}}
+            headers = {"authorization": f"Bearer {served.demo_key}", "x-request-id": "waits-past-grace"}
+            with httpx.Client(timeout=30) as client:
+                answer = {}
+                t = threading.Thread(
+                    target=lambda: answer.setdefault(
+                        "r", client.post(served.url + "/v1/completions", json=body, headers=headers)
+                    )
+                )
+                t.start()
+                while not fake.records:
+                    time.sleep(0.02)
+                served.proc.send_signal(signal.SIGTERM)
+                t.join(30)
+            served.proc.wait(timeout=30)
+    r = answer["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "shutting_down"
+    (event,) = read_events(tmp_path / "ev.jsonl")
+    assert (event["request_id"], event["http_status"], event["reason"]) == ("waits-past-grace", 503, "shutdown")

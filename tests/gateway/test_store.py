@@ -23,9 +23,20 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1]
+    assert store.schema_versions() == [1, 2]
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1]
+    assert store.schema_versions() == [1, 2]
+
+
+def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
+    assert store.usage_watermark("w") == 0
+    store.record_usage([UsageRow("t", "2026-01-01", "m", 1, 2, 3, 0)], watermark=("w", 7))
+    assert store.usage_watermark("w") == 7 and store.usage()[0].prompt_tokens == 2
+    store.record_usage([], watermark=("w", 5))  # an older flush finishing late cannot move it back
+    assert store.usage_watermark("w") == 7
+    with pytest.raises(Exception):  # a bad row fails the whole transaction: the watermark stays too
+        store.record_usage([UsageRow("t", "2026-01-01", None, 1, 1, 1, 0)], watermark=("w", 9))
+    assert store.usage_watermark("w") == 7 and store.usage_watermark("other") == 0
 
 
 def test_team_crud_and_limits_roundtrip(store: Store):
@@ -212,14 +223,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1]
+        assert stores[0].schema_versions() == [1, 2]
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1]
+    assert mem.schema_versions() == [1, 2]
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()

@@ -126,9 +126,9 @@ async def test_close_logs_rows_it_cannot_write(store, caplog):
 class SlowStore(Store):
     """A real store whose writes take a while, so a flush can be cancelled in the middle of one."""
 
-    def record_usage(self, rows):
+    def record_usage(self, rows, watermark=None):
         time.sleep(0.2)
-        super().record_usage(rows)
+        super().record_usage(rows, watermark)
 
 
 async def test_flush_cancelled_mid_write_counts_once(tmp_path):
