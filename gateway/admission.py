@@ -285,6 +285,7 @@ class Admission:
                     raise StateUnavailable("the shared state is not seeded yet")
                 ctx.reservation = await self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
             except StateUnavailable as e:
+                self.defer(e)
                 if self.local is None:
                     raise self.state_unavailable(e) from None
                 log.warning("state_unavailable_fail_open", error=str(e))
@@ -308,6 +309,7 @@ class Admission:
         try:
             got = await state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency)
         except StateUnavailable as e:
+            self.defer(e)
             raise self.state_unavailable(e) from None
         if not got:
             raise APIError(
@@ -548,12 +550,16 @@ class Admission:
             model = ctx.served_model or ctx.model
             self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)
 
+    def defer(self, err: StateUnavailable) -> None:
+        """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""
+        if err.pending is not None and self.outbox is not None:
+            self.outbox.put(err.pending)
+
     async def _state_change(self, change, ctx: Ctx) -> None:
         try:
             await change
         except StateUnavailable as e:
-            if e.pending is not None and self.outbox is not None:
-                self.outbox.put(e.pending)
+            self.defer(e)
             log.warning("state_change_deferred", request_id=ctx.request_id, error=str(e))
         except Exception:  # noqa: BLE001
             log.exception("state_change_failed", request_id=ctx.request_id)

@@ -261,7 +261,10 @@ class RedisState:
         try:
             code, detail, rpm_used, tpm_used = await self._reserve(keys=keys, args=args)
         except REDIS_ERRORS as e:
-            raise StateUnavailable(f"reserve: {type(e).__name__}: {e}") from e
+            # The hold may have been taken before the answer was lost: a settle of nothing gives it back (and
+            # is a no-op if it never was).
+            undo = {"op": "settle", "team_id": team_id, "res_id": res_id, "tokens": 0, "now": now}
+            raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
         headers = _headers(limits, int(rpm_used), int(tpm_used), now)
         if code == 1:
             wait = float(detail)
@@ -320,10 +323,10 @@ class RedisState:
             if not await self._acquire(keys=[key], args=args):
                 return False
         except REDIS_ERRORS as e:
-            # The lease may have been taken before the answer was lost: drop it (best effort), else it would
-            # hold one of the team's slots until it expires.
-            self._forget(key, lease_id)
-            raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}") from e
+            # The lease may have been taken before the answer was lost: release it, or it would hold one of the
+            # team's slots until it expires.
+            undo = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id}
+            raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}", pending=undo) from e
         self._leases.setdefault(team_id, []).append(lease_id)
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop())
@@ -339,10 +342,6 @@ class RedisState:
         if not leases:
             del self._leases[team_id]
         await asyncio.shield(self.replay({"op": "release_slot", "team_id": team_id, "lease_id": lease_id}))
-
-    def _forget(self, key: str, lease_id: str) -> None:
-        task = asyncio.ensure_future(self._redis.zrem(key, lease_id))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def renew_leases(self) -> None:
         """Push out the expiry of every lease this replica holds (the background task calls this)."""
