@@ -7,21 +7,37 @@ drops its cache after each write). Bad input gets an OpenAI-style 400 naming the
 from __future__ import annotations
 
 import asyncio
-import inspect
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from starlette.exceptions import HTTPException
 
 from gateway.auth import require_admin
 from gateway.errors import APIError, error_response
+from gateway.state import StateUnavailable
 from gateway.store import DB_ERRORS, ApiKey, Conflict, NotFound, Store, Team
 from policies.limits import TeamLimits
 
 # --- request / response models ---------------------------------------------------------------------------
+
+# Upper bounds on what the admin API accepts: far above any real limit, far below what the store's columns hold
+# (BIGINT for rates and budgets; INTEGER, 2**31 - 1, for concurrency and per-request token caps).
+MAX_TOKEN_BUDGET = 10**15
+MAX_COUNT = 10**9
+MAX_TIMEOUT_S = 10 * 86400.0  # 10 days
+MAX_KEY_LIFETIME_S = 100 * 365 * 86400.0  # 100 years
+
+# Plain text for names: no control characters (they end up in logs; PostgreSQL refuses NUL). A pattern also makes
+# pydantic refuse lone surrogates (not encodable as UTF-8, so no database could store them).
+_PLAIN = r"^[^\x00-\x1f\x7f]*$"
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=_PLAIN)]
+# Ids are the store's own ('team_' / 'key_' + hex): anything longer or stranger cannot exist.
+_ID = r"^[A-Za-z0-9._-]+$"
+_ID_DOC = "1-64 letters, digits, '.', '_' or '-'."
 
 
 class Limits(BaseModel):
@@ -29,30 +45,40 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(None, ge=1, description="Requests per minute.")
-    tpm: int | None = Field(None, ge=1, description="Tokens (prompt + max_tokens reserved) per minute.")
-    tokens_per_day: int | None = Field(None, ge=0, description="Token budget per UTC day.")
-    tokens_per_month: int | None = Field(None, ge=0, description="Token budget per UTC calendar month.")
-    max_concurrency: int | None = Field(None, ge=1, description="Requests in flight at once.")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt accepted.")
-    max_output_tokens: int | None = Field(None, ge=1, description="Cap on max_tokens.")
-    allowed_models: list[str] | None = Field(None, description="Models the team may use; null means all.")
+    rpm: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests per minute.")
+    tpm: int | None = Field(
+        None, ge=1, le=MAX_TOKEN_BUDGET, description="Tokens (prompt + max_tokens reserved) per minute."
+    )
+    tokens_per_day: int | None = Field(None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC day.")
+    tokens_per_month: int | None = Field(
+        None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month."
+    )
+    max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests in flight at once.")
+    max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Longest prompt accepted.")
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Cap on max_tokens.")
+    allowed_models: list[ModelName] | None = Field(
+        None, max_length=1000, description="Models the team may use; null means all."
+    )
     priority: int = Field(1, ge=0, le=2, description="0 critical, 1 standard, 2 batch; lower runs first.")
     weight: int = Field(1, ge=1, le=1000, description="Fair share against other teams in the same band.")
-    queue_timeout_s: float | None = Field(None, gt=0, description="Longest wait in the dispatch queue.")
-    ttft_timeout_s: float | None = Field(None, gt=0, description="Longest wait for the first token.")
-    total_timeout_s: float | None = Field(None, gt=0, description="Longest whole request.")
+    queue_timeout_s: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait in the dispatch queue."
+    )
+    ttft_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait for the first token.")
+    total_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest whole request.")
 
     def to_limits(self) -> TeamLimits:
         return TeamLimits.from_dict(self.model_dump())
 
     @classmethod
     def of(cls, limits: TeamLimits) -> Limits:
-        return cls(**limits.to_dict())
+        # Not validated: the bounds are for what comes in; a stored value is shown as it is, whatever it is.
+        return cls.model_construct(**limits.to_dict())
 
 
 # Team names end up in metrics labels and log lines: keep them plain.
-TeamName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+_TEAM_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+TeamName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=_TEAM_NAME)]
 _NAME_DOC = "Unique; 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit."
 
 
@@ -95,11 +121,28 @@ class Deleted(BaseModel):
     deleted: bool = True
 
 
+def _sane_expiry(value: datetime | None) -> datetime | None:
+    # Checked on the year first: converting an extreme time between time zones overflows.
+    last = datetime.now(UTC).year + 100
+    if value is not None and not 1970 <= value.year <= last:
+        raise ValueError(f"expected a time between 1970 and {last} (at most 100 years from now)")
+    return value
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=128, description="What the key is for, e.g. 'ci' or 'alice-laptop'.")
-    expires_at: datetime | None = Field(None, description="ISO 8601; naive times are UTC.")
-    expires_in_s: float | None = Field(None, gt=0, description="Alternative to expires_at: lifetime in seconds.")
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=_PLAIN,
+        description="What the key is for, e.g. 'ci' or 'alice-laptop'. No control characters.",
+    )
+    expires_at: Annotated[datetime | None, AfterValidator(_sane_expiry)] = Field(
+        None, description="ISO 8601, from 1970 to 100 years from now; naive times are UTC."
+    )
+    expires_in_s: float | None = Field(
+        None, gt=0, le=MAX_KEY_LIFETIME_S, description="Alternative to expires_at: lifetime in seconds (<= 100 years)."
+    )
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -181,7 +224,11 @@ class TeamState(BaseModel):
     enabled: bool
     limits: Limits
     stored: StoredSpend
-    live: dict[str, Any] | None = Field(description="This replica's live counters; null without a state backend.")
+    live: dict[str, Any] | None = Field(
+        description="Live counters (shared by every replica with a Redis state); null without a state backend or "
+        "while it is unreachable (see live_error)."
+    )
+    live_error: str | None = Field(None, description="Why `live` is null while a state backend is configured.")
 
 
 class ErrorDetail(BaseModel):
@@ -204,6 +251,14 @@ _CODES = {
 }
 
 
+# What a pattern means, for the message (the regex itself helps nobody).
+_PATTERNS = {
+    _TEAM_NAME: "expected letters, digits, '.', '_' or '-', starting with a letter or digit",
+    _PLAIN: "control characters are not allowed",
+    _ID: "expected an id of letters, digits, '.', '_' or '-'",
+}
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first problem, with the field as a dotted path in `param` ('limits.rpm'), as OpenAI reports it."""
     err = exc.errors()[0]
@@ -213,6 +268,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"The request body is not valid JSON: {err.get('msg')}.", "invalid_json")
     param = ".".join(where) or None
     message = err.get("msg", "Invalid value")
+    if err.get("type") == "string_pattern_mismatch":
+        message = _PATTERNS.get((err.get("ctx") or {}).get("pattern"), message)
+    elif err.get("type") == "string_unicode":
+        message = "expected valid Unicode text (no lone surrogates)"
+    elif err.get("type") == "value_error":
+        message = message.removeprefix("Value error, ")
     message = f"Invalid '{param}': {message}." if param else f"Invalid request body: {message}."
     return APIError(400, message, _CODES.get(err.get("type"), "invalid_value"), param=param)
 
@@ -230,12 +291,20 @@ class _OpenAIErrorRoute(APIRoute):
                 return error_response(validation_error(exc))
             except APIError as err:  # also from require_admin: the router works even on an app without the handler
                 return error_response(err)
+            except HTTPException as exc:  # FastAPI's own: a body it could not read (e.g. JSON nested too deep)
+                if exc.status_code != 400:
+                    raise
+                return error_response(APIError(400, f"Invalid request body: {exc.detail}.", "invalid_json"))
 
         return route
 
 
 def _err(description: str) -> dict:
     return {"model": ErrorBody, "description": description}
+
+
+TeamId = Annotated[str, Path(max_length=64, pattern=_ID, description="The team's id. " + _ID_DOC)]
+KeyId = Annotated[str, Path(max_length=64, pattern=_ID, description="The key's id. " + _ID_DOC)]
 
 
 router = APIRouter(
@@ -307,7 +376,7 @@ async def list_teams(request: Request) -> TeamList:
 
 
 @router.get("/teams/{team_id}", summary="Get a team", responses={404: _err("No such team.")})
-async def get_team(team_id: str, request: Request) -> TeamOut:
+async def get_team(team_id: TeamId, request: Request) -> TeamOut:
     return TeamOut.of(await _team_or_404(request, team_id))
 
 
@@ -316,7 +385,7 @@ async def get_team(team_id: str, request: Request) -> TeamOut:
     summary="Rename, enable or disable a team",
     responses={404: _err("No such team."), 409: _err("Name taken.")},
 )
-async def update_team(team_id: str, body: TeamUpdate, request: Request) -> TeamOut:
+async def update_team(team_id: TeamId, body: TeamUpdate, request: Request) -> TeamOut:
     team = await _call(request, _store(request).update_team, team_id, name=body.name, enabled=body.enabled)
     _changed(request)
     return TeamOut.of(team)
@@ -327,7 +396,7 @@ async def update_team(team_id: str, body: TeamUpdate, request: Request) -> TeamO
     summary="Delete a team and its keys (its usage history stays)",
     responses={404: _err("No such team.")},
 )
-async def delete_team(team_id: str, request: Request) -> Deleted:
+async def delete_team(team_id: TeamId, request: Request) -> Deleted:
     await _call(request, _store(request).delete_team, team_id)
     _changed(request)
     return Deleted(id=team_id, object="team")
@@ -338,14 +407,14 @@ async def delete_team(team_id: str, request: Request) -> Deleted:
     summary="Replace a team's limits (omitted fields become unlimited)",
     responses={404: _err("No such team.")},
 )
-async def set_limits(team_id: str, body: Limits, request: Request) -> Limits:
+async def set_limits(team_id: TeamId, body: Limits, request: Request) -> Limits:
     team = await _call(request, _store(request).set_limits, team_id, body.to_limits())
     _changed(request)
     return Limits.of(team.limits)
 
 
 @router.get("/teams/{team_id}/limits", summary="Get a team's limits", responses={404: _err("No such team.")})
-async def get_limits(team_id: str, request: Request) -> Limits:
+async def get_limits(team_id: TeamId, request: Request) -> Limits:
     return Limits.of((await _team_or_404(request, team_id)).limits)
 
 
@@ -354,7 +423,7 @@ async def get_limits(team_id: str, request: Request) -> Limits:
     summary="Live counters and remaining budgets of a team",
     responses={404: _err("No such team.")},
 )
-async def team_state(team_id: str, request: Request) -> TeamState:
+async def team_state(team_id: TeamId, request: Request) -> TeamState:
     team = await _team_or_404(request, team_id)
     today = datetime.now(UTC).date()
     day, month_start = today.isoformat(), today.replace(day=1).isoformat()
@@ -370,14 +439,21 @@ async def team_state(team_id: str, request: Request) -> TeamState:
         remaining_day=None if limits.tokens_per_day is None else max(0, limits.tokens_per_day - spent_today),
         remaining_month=None if limits.tokens_per_month is None else max(0, limits.tokens_per_month - spent_month),
     )
-    live = None
+    live, live_error = None, None
     backend = getattr(request.app.state, "state_backend", None)
     if backend is not None:
-        live = backend.snapshot(team_id)
-        if inspect.isawaitable(live):  # a Redis backend may well be async
-            live = await live
+        try:
+            live = await backend.read_snapshot(team_id)
+        except StateUnavailable as e:
+            live_error = f"state_unavailable: {e}"
     return TeamState(
-        team_id=team.id, name=team.name, enabled=team.enabled, limits=Limits.of(limits), stored=stored, live=live
+        team_id=team.id,
+        name=team.name,
+        enabled=team.enabled,
+        limits=Limits.of(limits),
+        stored=stored,
+        live=live,
+        live_error=live_error,
     )
 
 
@@ -390,13 +466,13 @@ async def team_state(team_id: str, request: Request) -> TeamState:
     summary="Create an API key for a team (the secret is returned once)",
     responses={404: _err("No such team.")},
 )
-async def create_team_key(team_id: str, body: KeyCreate, request: Request) -> KeyCreated:
+async def create_team_key(team_id: TeamId, body: KeyCreate, request: Request) -> KeyCreated:
     secret, key = await _call(request, _store(request).create_key, team_id, body.name, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
 
 @router.get("/teams/{team_id}/keys", summary="List a team's keys", responses={404: _err("No such team.")})
-async def list_team_keys(team_id: str, request: Request) -> KeyList:
+async def list_team_keys(team_id: TeamId, request: Request) -> KeyList:
     await _team_or_404(request, team_id)
     return KeyList(data=[KeyOut.of(k) for k in await _call(request, _store(request).list_keys, team_id)])
 
@@ -410,7 +486,8 @@ async def create_admin_key(body: KeyCreate, request: Request) -> KeyCreated:
 
 @router.get("/keys", summary="List keys, of every team or of one")
 async def list_keys(
-    request: Request, team_id: str | None = Query(None, description="Only this team's keys.")
+    request: Request,
+    team_id: str | None = Query(None, max_length=64, pattern=_ID, description="Only this team's keys. " + _ID_DOC),
 ) -> KeyList:
     return KeyList(data=[KeyOut.of(k) for k in await _call(request, _store(request).list_keys, team_id)])
 
@@ -420,7 +497,7 @@ async def list_keys(
     summary="Revoke a key (takes effect within ~1 s on every replica)",
     responses={404: _err("No such key.")},
 )
-async def revoke_key(key_id: str, request: Request) -> KeyOut:
+async def revoke_key(key_id: KeyId, request: Request) -> KeyOut:
     key = await _call(request, _store(request).revoke_key, key_id)
     _changed(request)
     return KeyOut.of(key)
@@ -432,7 +509,7 @@ async def revoke_key(key_id: str, request: Request) -> KeyOut:
 @router.get("/usage", summary="Daily token usage per team and model")
 async def usage(
     request: Request,
-    team_id: str | None = Query(None, description="Only this team."),
+    team_id: str | None = Query(None, max_length=64, pattern=_ID, description="Only this team. " + _ID_DOC),
     since: date | None = Query(None, description="First UTC day, inclusive (YYYY-MM-DD)."),
     until: date | None = Query(None, description="Last UTC day, inclusive (YYYY-MM-DD)."),
 ) -> UsageList:
