@@ -385,7 +385,7 @@ class Admission:
         return not team_limit or team_limit >= pool_limit
 
     def upstream_body(self, ctx: Ctx, hop: Hop) -> dict:
-        if hop.instance.cfg.engine and "priority" not in ctx.body:
+        if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
             return {**ctx.body, "priority": ctx.priority}
         return ctx.body
 
