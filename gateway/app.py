@@ -30,7 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.dispatch_queue import DispatchQueue
 from gateway.errors import APIError, api_error_handler, error_response
 from gateway.events import EventWriter, replay_after
-from gateway.logging import bind_request, clear_request, get_logger
+from gateway.logging import bind_request, clear_request, ensure_configured, get_logger
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
 from gateway.probes import router as probes_router
@@ -46,6 +46,7 @@ log = get_logger()
 
 def create_app(config: GatewayConfig, *, store: Store | None = None, state_backend=None) -> FastAPI:
     """An app for `config`. A `store` passed in stays open after shutdown (the caller owns it)."""
+    ensure_configured(config.log_level)
     upstreams = Upstreams(config)
     metrics = Metrics()
     own_state = state_backend is None

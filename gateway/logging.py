@@ -24,6 +24,13 @@ def configure(level: str = "info") -> None:
     )
 
 
+def ensure_configured(level: str = "info") -> None:
+    """JSON logs unless the embedding program configured structlog itself: structlog's own default renders
+    tracebacks with their local variables, which would print request headers (API keys) into the log."""
+    if not structlog.is_configured():
+        configure(level)
+
+
 def get_logger(name: str = "tokenweir.gateway"):
     return structlog.get_logger(name)
 
