@@ -283,7 +283,8 @@ class Admission:
             try:
                 if not self.state_ready:
                     raise StateUnavailable("the shared state is not seeded yet")
-                ctx.reservation = await self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+                reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+                ctx.reservation = await self.taking(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
             except StateUnavailable as e:
                 self.defer(e)
                 if self.local is None:
@@ -307,7 +308,8 @@ class Admission:
     async def take_slot(self, ctx: Ctx) -> None:
         state = self.local if ctx.local_state else self.state
         try:
-            got = await state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency)
+            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency)
+            got = await self.taking(acquire, lambda _: state.release_slot(ctx.team_id), ctx)
         except StateUnavailable as e:
             self.defer(e)
             raise self.state_unavailable(e) from None
@@ -549,6 +551,26 @@ class Admission:
         if ctx.route:
             model = ctx.served_model or ctx.model
             self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)
+
+    async def taking(self, call, give_back, ctx: Ctx):
+        """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
+        completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
+        behind until its expiry."""
+        task = relay.spawn(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def undo(t: asyncio.Task) -> None:
+                if t.cancelled():
+                    return
+                if isinstance(t.exception(), StateUnavailable):
+                    self.defer(t.exception())
+                elif t.exception() is None and t.result():
+                    relay.spawn(self._state_change(give_back(t.result()), ctx))
+
+            task.add_done_callback(undo)
+            raise
 
     def defer(self, err: StateUnavailable) -> None:
         """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""

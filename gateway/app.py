@@ -250,6 +250,7 @@ class RequestMiddleware:
                 record_unadmitted(Request(scope), err)
             body = orjson.dumps(err.body())
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
             await send_with_id({"type": "http.response.start", "status": err.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 

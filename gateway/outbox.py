@@ -69,6 +69,9 @@ class StateOutbox:
                 await self.state.replay(op)
             except StateUnavailable:
                 return False
+            except Exception:  # noqa: BLE001 - the replay loop must outlive anything one change raises
+                log.exception("state outbox: replaying %s failed; will retry", op.get("op"))
+                return False
             self._pending.pop(op_id, None)
             self._append({"done": op_id})
             self.delivered += 1

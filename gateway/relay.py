@@ -274,12 +274,17 @@ class StreamResponse(Response):
 _background: set[asyncio.Task] = set()
 
 
-async def shielded(coro) -> None:
-    """Run `coro` to completion even if the caller is cancelled meanwhile (the caller still sees the cancel)."""
+def spawn(coro) -> asyncio.Task:
+    """A task that shutdown waits for (`wait_background`)."""
     task = asyncio.ensure_future(coro)
     _background.add(task)  # a strong reference until it ends, so a cancelled caller cannot orphan it to the GC
     task.add_done_callback(_background.discard)
-    await asyncio.shield(task)
+    return task
+
+
+async def shielded(coro):
+    """Run `coro` to completion even if the caller is cancelled meanwhile (the caller still sees the cancel)."""
+    return await asyncio.shield(spawn(coro))
 
 
 async def wait_background(timeout_s: float = 10.0) -> None:

@@ -35,8 +35,10 @@ from policies.reservation import Reservation
 from policies.retry import reset_header
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
-# ConnectionError("No connection available"), a command past its socket timeout TimeoutError).
-REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
+# ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
+# write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
+# closed=True>"), not an OSError.
+REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
 
 WINDOW_S = 60.0
 SLOTS = 60
