@@ -24,9 +24,10 @@ from starlette.requests import ClientDisconnect
 
 from gateway import relay
 from gateway.admin import router as admin_router
-from gateway.admission import Admission, new_request_id
+from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.context import new_request_id
 from gateway.dispatch_queue import DispatchQueue
 from gateway.errors import APIError, api_error_handler, error_response
 from gateway.events import EventWriter, replay_after

@@ -248,7 +248,7 @@ class StreamResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         disconnected, shutdown, watching = False, False, True
         task = asyncio.current_task()
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
         watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -296,6 +296,7 @@ async def wait_background(timeout_s: float = 10.0) -> None:
         await asyncio.wait(set(_background), timeout=timeout_s)
 
 
-async def _wait_disconnect(receive) -> None:
+async def wait_disconnect(receive) -> None:
+    """Return when the client has gone (the ASGI receive channel says http.disconnect)."""
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -1,0 +1,86 @@
+"""One request's record as it moves through the gateway (`RequestContext`), created once by admission and
+passed down to dispatch and settle: what it asked for, what it was granted, where it went, and what its event says.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from policies.limits import TeamLimits
+
+if TYPE_CHECKING:
+    from gateway.relay import ChunkFilter, SSEStream
+    from gateway.upstream import Hop
+
+# Client strings copied into events, logs and metric labels are cut to this many characters.
+MAX_CLIENT_STRING = 256
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """Everything one request carries through the steps, and what its event will say."""
+
+    request_id: str
+    kind: str  # "chat" | "completions"
+    body: dict
+    team_id: str
+    key_id: str
+    limits: TeamLimits
+    model: str
+    stream: bool
+    t0: float  # time.perf_counter() at arrival: every duration is measured on it
+    deadline_base: float  # loop.time() at arrival: deadlines are loop-time instants (uvloop's clock ticks in ms)
+    priority: int
+    client_usage: bool = False
+    client_continuous: bool = False
+    max_tokens: int | None = None
+    prompt_tokens: int = 0
+    reservation: object | None = None
+    slot: bool = False
+    local_state: bool = False  # admitted under this replica's own limits while the shared state was away
+    ticket: object | None = None
+    queue_s: float | None = None
+    hop: Hop | None = None
+    served_model: str | None = None  # the pool of the last hop tried: its usage row
+    # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
+    # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
+    upstream_id: str = ""
+    route: list[str] = field(default_factory=list)
+    dispatched_at: float | None = None
+    upstream_end: float | None = None
+    ttft_s: float | None = None
+    usage: dict | None = None
+    finish_reason: str | None = None
+    incomplete: bool = False  # the upstream may still be generating: abort it in finish
+    instance_ok: bool = True
+    sse: SSEStream | None = None
+    chunks: ChunkFilter | None = None
+    status: str = "ok"
+    reason: str | None = None
+    http_status: int = 200
+    disconnected: bool = False
+    # tokens made by hops that failed before their first token (the engine told us on /abort): billed too
+    spilled_prompt_tokens: int = 0
+    spilled_completion_tokens: int = 0
+    watching: bool = True  # a client disconnect may still cancel the handler
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+
+def clip(value: str | None) -> str | None:
+    """A client string as it may appear in an event, a log line or a label."""
+    if isinstance(value, str) and len(value) > MAX_CLIENT_STRING:
+        return value[:MAX_CLIENT_STRING] + "..."
+    return value
+
+
+def new_request_id(client_value: str | None) -> str:
+    """Honour a client's X-Request-Id when it is sane (short, printable, no spaces); else mint one."""
+    sane = client_value and len(client_value) <= 128 and client_value.isascii() and client_value.isprintable()
+    if sane and " " not in client_value:
+        return client_value
+    return "req-" + uuid.uuid4().hex

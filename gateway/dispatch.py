@@ -1,0 +1,209 @@
+"""Dispatch: try the route plan's hops in order (the pool's instances, least loaded first, then each fallback
+pool's) until one answers; a hop that fails before the first byte passes to the next and counts against its
+instance's circuit. Non-stream calls and streams (first token under the TTFT deadline, then relayed chunk by
+chunk under the total deadline) go through gateway/relay.py; what they made is settled by gateway/settle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi.responses import Response
+
+from gateway import relay
+from gateway.config import GatewayConfig
+from gateway.context import RequestContext
+from gateway.errors import APIError
+from gateway.http1 import HTTP1Pool, HTTPError
+from gateway.metrics import Metrics
+from gateway.settle import Settler
+from gateway.upstream import Hop, Upstreams
+
+
+class Dispatcher:
+    def __init__(
+        self, config: GatewayConfig, upstreams: Upstreams, client: HTTP1Pool, metrics: Metrics, settler: Settler
+    ) -> None:
+        self.config, self.upstreams, self.client, self.metrics, self.settler = (
+            config,
+            upstreams,
+            client,
+            metrics,
+            settler,
+        )
+
+    async def dispatch(self, ctx: RequestContext) -> Response:
+        hops = self.upstreams.plan(ctx.model)
+        last = "every instance's circuit is open"
+        for hop in hops:
+            ctx.route.append(hop.label)
+            ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
+            ctx.served_model = hop.model
+            ctx.upstream_id = "tw-" + uuid.uuid4().hex
+            hop.instance.take(time.monotonic())
+            self.metrics.in_flight.labels(ctx.model).inc()
+            try:
+                if ctx.stream:
+                    return await self.open_stream(ctx, hop)
+                return await self.call(ctx, hop)
+            except relay.UpstreamFailed as e:
+                last, ctx.incomplete = str(e), False
+                if hop.instance.cfg.engine:
+                    # The request may have reached the engine (a stream that failed before its first token, a
+                    # connection lost after sending): stop it and keep what it counted, so the bill still
+                    # matches the engine's counters.
+                    answer = await relay.abort(self.client, hop, ctx.upstream_id)
+                    usage = (answer or {}).get("usage") or {}
+                    ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                    ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
+                ctx.chunks = None  # its usage, if any, is in `spilled` now
+                self.settler.release_hop(ctx, ok=False)
+                await self.settler.close_stream(ctx)
+            except relay.UpstreamRejected as e:
+                ctx.incomplete = False
+                ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}  # refused: nothing was made
+                ctx.status, ctx.reason, ctx.http_status = "error", "upstream_rejected", e.status
+                return Response(e.body, e.status, media_type="application/json")
+        ctx.reason = "upstream_unavailable"
+        raise APIError(
+            503,
+            f"No upstream could serve '{ctx.model}' ({last}). Retry shortly.",
+            "upstream_unavailable",
+            headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
+        )
+
+    def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
+        pool, t = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        ttft = _tightest(ctx.limits.ttft_timeout_s, pool.ttft_timeout_s) or t.ttft_s
+        total = _tightest(ctx.limits.total_timeout_s, pool.total_timeout_s) or t.total_s
+        return ttft, total
+
+    def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
+        """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
+        be routed around, but a team's tighter limit says nothing about the instance other teams share."""
+        pool, defaults = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        team_limit = getattr(ctx.limits, f"{kind}_timeout_s")
+        pool_limit = getattr(pool, f"{kind}_timeout_s") or getattr(defaults, f"{kind}_s")
+        return not team_limit or team_limit >= pool_limit
+
+    def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
+        if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
+            return {**ctx.body, "priority": ctx.priority}
+        return ctx.body
+
+    async def call(self, ctx: RequestContext, hop: Hop) -> Response:
+        _, total = self.timeouts(ctx)
+        ctx.incomplete = hop.instance.cfg.engine
+        body = self.upstream_body(ctx, hop)
+        try:
+            obj, raw = await relay.call_json(
+                self.client, hop, ctx.path, body, ctx.upstream_id, ctx.deadline_base + total
+            )
+        except TimeoutError:
+            ctx.status, ctx.reason = "timeout", "timeout"
+            ctx.instance_ok = not self.instance_too_slow(ctx, "total")
+            raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
+        finally:
+            ctx.upstream_end = time.perf_counter()
+        ctx.incomplete = False
+        ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
+        ctx.usage = obj.get("usage")
+        choices = obj.get("choices") or [{}]
+        ctx.finish_reason = choices[0].get("finish_reason")
+        return Response(raw, 200, headers=_rate_headers(ctx), media_type="application/json")
+
+    async def open_stream(self, ctx: RequestContext, hop: Hop) -> Response:
+        loop = asyncio.get_running_loop()
+        ttft, total = self.timeouts(ctx)
+        first_deadline = min(loop.time() + ttft, ctx.deadline_base + total)
+        ctx.incomplete = hop.instance.cfg.engine
+        chunks = ctx.chunks = relay.ChunkFilter(
+            ctx.client_usage, ctx.client_continuous, not hop.instance.cfg.engine, time.perf_counter
+        )
+        first: list[bytes] = []
+        try:
+            ctx.sse = await relay.open_stream(
+                self.client, hop, ctx.path, self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
+            )
+            while chunks.first_token_at is None and not chunks.done:
+                data = await ctx.sse.next(first_deadline)
+                if data is None:
+                    raise relay.UpstreamFailed(f"{hop.label}: the stream ended before its first event")
+                if chunks.error is not None:
+                    raise relay.UpstreamFailed(f"{hop.label}: {chunks.error.get('message')}")
+                out = chunks.process(data)
+                if chunks.error is not None:
+                    raise relay.UpstreamFailed(f"{hop.label}: {chunks.error.get('message')}")
+                if out is not None:
+                    first.append(out)
+        except TimeoutError:
+            ctx.status, ctx.reason = "timeout", "timeout"
+            first_token = loop.time() < ctx.deadline_base + total
+            which, limit = ("first token", ttft) if first_token else ("response", total)
+            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
+            raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
+        except HTTPError as e:
+            raise relay.UpstreamFailed(f"{hop.label}: {type(e).__name__}") from e
+        ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
+        deadline = ctx.deadline_base + total
+
+        async def pump(send) -> bool:
+            return await self.pump(ctx, first, deadline, send)
+
+        async def done(disconnected: bool, shutdown: bool) -> None:
+            ctx.disconnected = ctx.disconnected or disconnected
+            if disconnected and ctx.status == "ok":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "client_disconnected", 499, True
+            elif shutdown and ctx.status == "ok":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "shutdown", 503, True
+            await self.settler.finish(ctx)
+
+        return relay.StreamResponse(pump, done, _rate_headers(ctx))
+
+    async def pump(self, ctx: RequestContext, first: list[bytes], deadline: float, send) -> bool:
+        """Relay the rest of the stream. False if the client went away (a send failed)."""
+        chunks, sse = ctx.chunks, ctx.sse
+        tail = b""
+        try:
+            await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
+            pending: list[bytes] = []  # events that arrived together leave together: one write, not several
+            try:
+                async with asyncio.timeout_at(deadline):  # one timer for the whole stream, not one per chunk
+                    while not chunks.done:
+                        data = await sse.next()
+                        if data is None:
+                            break
+                        out = chunks.process(data)
+                        if out is not None:
+                            pending.append(out)
+                        if pending and not sse.buffered and not chunks.done:
+                            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+                            pending.clear()
+            except TimeoutError:
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "timeout", "timeout", 504, True
+                tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
+            except HTTPError:  # the upstream connection broke mid-body
+                pass
+            if chunks.done:
+                ctx.incomplete = False
+            elif ctx.status != "timeout":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "error", "upstream_broken", 502, True
+                ctx.instance_ok = False
+                tail = relay.sse_error("The upstream stream broke off.", "upstream_broken", "upstream_error")
+            ctx.upstream_end = time.perf_counter()
+            await send({"type": "http.response.body", "body": b"".join(pending) + tail, "more_body": False})
+            return True
+        except OSError:
+            return False
+
+
+def _rate_headers(ctx: RequestContext) -> dict[str, str]:
+    """x-ratelimit-* as of the reservation, on successful responses too (as OpenAI sends them)."""
+    return dict(getattr(ctx.reservation, "headers", None) or {})
+
+
+def _tightest(*values: float | None) -> float | None:
+    present = [v for v in values if v]
+    return min(present) if present else None

@@ -1,0 +1,242 @@
+"""The end of every request: stop the upstream if it may still run, give back every slot and the unused
+reservation, bill what was made, and write the one JSONL event (gateway/events.py) with its metrics.
+
+`finish` runs exactly once per request (shielded from cancellation; for streams when the stream ends). Each step
+has its own guard, so one that raises never skips the ones after it; a settle or a slot release the shared state
+cannot take now goes to the outbox (gateway/outbox.py) and is replayed when it can. The event is written before
+the usage row is counted: it is the write-ahead record that start-up replays after a crash.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from fastapi import Request
+
+from gateway import relay
+from gateway.context import RequestContext, clip
+from gateway.errors import APIError
+from gateway.events import EventWriter
+from gateway.http1 import HTTP1Pool
+from gateway.logging import get_logger
+from gateway.metrics import Metrics
+from gateway.outbox import StateOutbox
+from gateway.state import StateUnavailable
+from gateway.token_count import TokenCounter
+from gateway.upstream import Upstreams
+from policies.budget import day_key
+
+log = get_logger()
+
+
+class Settler:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        state,
+        local,
+        queues: dict,
+        client: HTTP1Pool,
+        events: EventWriter,
+        metrics: Metrics,
+        usage,
+        outbox: StateOutbox | None,
+        counter: Callable[[str], TokenCounter],
+    ) -> None:
+        self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
+        self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
+        self.outbox, self.counter = outbox, counter
+
+    def record_unadmitted(self, request: Request, err: APIError) -> None:
+        """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
+        principal = getattr(request.state, "principal", None)
+        team = principal.team if principal is not None else None
+        model = getattr(request.state, "model", None)
+        ctx = RequestContext(
+            request_id=request.state.request_id,
+            kind="chat" if request.url.path.endswith("/chat/completions") else "completions",
+            body={},
+            team_id=team.id if team is not None else None,
+            key_id=principal.key.id if principal is not None else None,
+            limits=team.limits if team is not None else None,
+            model=model if isinstance(model, str) else None,
+            stream=False,
+            t0=getattr(request.state, "t0", None) or time.perf_counter(),
+            deadline_base=0.0,
+            priority=team.limits.priority if team is not None else 0,
+            status="cancelled" if err.code == "client_disconnected" else "rejected",
+            reason=err.code,
+            http_status=err.status,
+            disconnected=err.code == "client_disconnected",
+        )
+        self.emit(ctx, time.perf_counter(), 0, 0, 0)
+
+    def release_hop(self, ctx: RequestContext, ok: bool) -> None:
+        if ctx.hop is not None:
+            ctx.hop.instance.done(ok, time.monotonic())
+            self.metrics.in_flight.labels(ctx.model).dec()
+            ctx.hop = None
+
+    async def close_stream(self, ctx: RequestContext) -> None:
+        if ctx.sse is not None:
+            sse, ctx.sse = ctx.sse, None
+            if ctx.chunks is not None and ctx.chunks.done and not ctx.incomplete:
+                await sse.drain()  # read to the end of the body so the keep-alive connection goes back to the pool
+            await sse.aclose()
+
+    async def finish(self, ctx: RequestContext) -> None:
+        hop = ctx.hop
+        try:
+            # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
+            if hop is not None and ctx.incomplete and hop.instance.cfg.engine:
+                answer = await relay.abort(self.client, hop, ctx.upstream_id)
+                if answer and answer.get("usage"):
+                    ctx.usage = answer["usage"]
+            await self.close_stream(ctx)
+        except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
+            log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
+        # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
+        if ctx.ticket is not None:
+            self._guard(self.queues[ctx.model].release, ctx.ticket)
+        state = self.local if ctx.local_state else self.state
+        if ctx.slot:
+            ctx.slot = False
+            await self.state_change(state.release_slot(ctx.team_id), ctx)
+        try:
+            prompt, completion, cached = self.billable(ctx)
+        except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
+            log.exception("finish_billable_failed", request_id=ctx.request_id)
+            prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
+        if hop is not None:
+            self._guard(self.release_hop, ctx, ctx.instance_ok)
+        ts = time.time()
+        if ctx.reservation is not None:
+            await self.state_change(state.settle(ctx.reservation, prompt, completion, ts), ctx)
+            if ctx.local_state and self.outbox is not None:
+                # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
+                op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
+                self.outbox.put(op | {"tokens": prompt + completion, "now": ts})
+        self._guard(self.record, ctx, ts, prompt, completion, cached)
+
+    def record(self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int) -> None:
+        """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
+        write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
+        seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts)
+        if ctx.route:
+            model = ctx.served_model or ctx.model
+            self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)
+
+    def defer(self, err: StateUnavailable) -> None:
+        """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""
+        if err.pending is not None and self.outbox is not None:
+            self.outbox.put(err.pending)
+
+    async def state_change(self, change, ctx: RequestContext) -> None:
+        try:
+            await change
+        except StateUnavailable as e:
+            self.defer(e)
+            log.warning("state_change_deferred", request_id=ctx.request_id, error=str(e))
+        except Exception:  # noqa: BLE001
+            log.exception("state_change_failed", request_id=ctx.request_id)
+
+    @staticmethod
+    def _guard(step, *args) -> None:
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - one failed step must not skip the others
+            log.exception("finish_step_failed", step=getattr(step, "__name__", str(step)))
+
+    def billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+        """What the request cost: the upstream's own usage when it reported one, else our count; plus what
+        hops that failed before the first token had already made."""
+        prompt, completion, cached = self._billable(ctx)
+        return prompt + ctx.spilled_prompt_tokens, completion + ctx.spilled_completion_tokens, cached
+
+    def _billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+        usage = ctx.usage or (ctx.chunks.usage if ctx.chunks is not None else None)
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
+            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
+        if ctx.hop is None or ctx.dispatched_at is None:
+            return 0, 0, 0  # never reached an upstream
+        # An external upstream cut off before its usage chunk: count the text it relayed (a documented estimate).
+        completion = 0
+        if ctx.chunks is not None and ctx.chunks.text:
+            completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
+        return ctx.prompt_tokens, completion, 0
+
+    def emit(
+        self, ctx: RequestContext, now: float, prompt: int, completion: int, cached: int, ts: float | None = None
+    ) -> int:
+        e2e = now - ctx.t0
+        tpot = None
+        chunks = ctx.chunks
+        if chunks is not None and chunks.first_token_at is not None and completion > 1:
+            tpot = (chunks.last_token_at - chunks.first_token_at) / (completion - 1)
+        if ctx.finish_reason is None and chunks is not None:
+            ctx.finish_reason = chunks.finish_reason
+        seq = self.events.emit(
+            {
+                "ts": ts or time.time(),
+                "request_id": ctx.request_id,
+                "team": ctx.team_id,
+                "key_id": ctx.key_id,
+                "model": clip(ctx.model),
+                "served_model": ctx.served_model,
+                "route": ctx.route,
+                "upstream_request_id": ctx.upstream_id or None,
+                "instance": ctx.route[-1] if ctx.route else None,
+                "priority": ctx.priority,
+                "status": ctx.status,
+                "reason": ctx.reason,
+                "http_status": ctx.http_status,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "cached_tokens": cached,
+                "max_tokens": ctx.max_tokens,
+                "queue_ms": _ms(ctx.queue_s),
+                "ttft_ms": _ms(ctx.ttft_s),
+                "tpot_ms": _ms(tpot),
+                "e2e_ms": _ms(e2e),
+                "finish_reason": ctx.finish_reason,
+                "stream": ctx.stream,
+                "client_disconnected": ctx.disconnected,
+            }
+        )
+        m = self.metrics
+        # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
+        model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
+        m.requests.labels(ctx.team_id or "none", model, ctx.status).inc()
+        if ctx.status == "rejected":
+            m.rejections.labels(ctx.reason or "unknown").inc()
+        if prompt or completion:
+            m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
+            m.completion_tokens.labels(ctx.team_id, model).inc(completion)
+        m.e2e.labels(model).observe(e2e)
+        if ctx.queue_s is not None:
+            m.queue_time.labels(model).observe(ctx.queue_s)
+        if ctx.ttft_s is not None:
+            m.ttft.labels(model).observe(ctx.ttft_s)
+        if tpot is not None:
+            m.tpot.labels(model).observe(tpot)
+        upstream = (ctx.upstream_end or now) - ctx.dispatched_at if ctx.dispatched_at is not None else 0.0
+        m.overhead.observe(max(0.0, e2e - (ctx.queue_s or 0.0) - upstream))
+        if ctx.status != "ok":
+            log.info(
+                "request_not_ok",
+                request_id=ctx.request_id,
+                team=ctx.team_id,
+                model=clip(ctx.model),
+                status=ctx.status,
+                reason=ctx.reason,
+                http_status=ctx.http_status,
+            )
+        return seq
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
