@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-# The event's fields, in order (DESIGN.md). Every line has all of them; unknown ones are left null.
+# The event's fields, in order. Every line has all of them; unknown ones are left null.
 FIELDS = (
     "ts",
     "request_id",

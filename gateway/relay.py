@@ -173,7 +173,6 @@ class ChunkFilter:
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.content_chunks = 0
         self.text: list[str] = []
         self.done = False
         self.error: dict | None = None
@@ -213,7 +212,6 @@ class ChunkFilter:
                 if self.first_token_at is None:
                     self.first_token_at = now
                 self.last_token_at = now
-                self.content_chunks += 1
         elif usage:  # the final usage-only chunk
             return b"data: " + data + b"\n\n" if self.client_usage else None
         if usage and not self.client_continuous:

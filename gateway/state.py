@@ -128,10 +128,6 @@ class InMemoryState:
             team.open_reservations -= 1
             return reservation
 
-    async def release(self, reservation: Reservation, now: float | None = None) -> Reservation:
-        """Settle a request that produced nothing billable (shed after reserving): refund the whole hold."""
-        return await self.settle(reservation, 0, 0, now)
-
     async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool:
         """Take one of the team's concurrency slots; False if all are taken. Release it in a finally."""
         team = self._team(team_id)
@@ -181,8 +177,6 @@ class InMemoryState:
     async def ping(self) -> None:
         """Readiness: an in-process state is always up."""
 
-    def teams(self) -> list[str]:
-        return list(self._teams)
 
 
 def _budget_view(budget: Budget, now: float) -> dict:

@@ -313,9 +313,6 @@ class RedisState:
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
 
-    async def release(self, reservation: Reservation, now: float | None = None) -> Reservation:
-        return await self.settle(reservation, 0, 0, now)
-
     async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool:
         """Take a concurrency lease shared by all replicas; renewed in the background until released."""
         lease_id = uuid.uuid4().hex

@@ -38,12 +38,6 @@ class StrideScheduler:
     _vtime: int = 0  # pass of the latest dispatch: the floor for a team joining an empty band
     _seq: int = 0
 
-    def is_active(self, team: str) -> bool:
-        return team in self._active
-
-    def active(self) -> list[str]:
-        return list(self._active)
-
     def activate(self, team: str, weight: int) -> None:
         """Team has work queued. Joining starts at max(its old pass, the band's min pass)."""
         self._stride[team] = stride_of(weight)

@@ -114,11 +114,11 @@ async def test_overshoot_is_charged_in_full():
     assert res.overshoot == 50
 
 
-async def test_release_refunds_everything_but_the_request():
+async def test_settling_nothing_refunds_everything_but_the_request():
     state = InMemoryState()
     limits = TeamLimits(rpm=10, tokens_per_day=100)
     res = await state.reserve("t", limits, 20, 80, now=NOW)
-    await state.release(res, now=NOW)
+    await state.settle(res, 0, 0, now=NOW)
     snap = state.snapshot("t", now=NOW)
     assert (snap["remaining_day"], snap["requests_last_minute"]) == (100, 1)
 

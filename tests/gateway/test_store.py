@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway import keys
-from gateway.store import Conflict, NotFound, Store, UsageRow, split_sql
+from gateway.store import DB_ERRORS, Conflict, NotFound, Store, UsageRow, split_sql
 from policies.limits import TeamLimits
 from tests.gateway.store_fixtures import open_store, pg_schema_url
 
@@ -34,7 +34,7 @@ def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
     assert store.usage_watermark("w") == 7 and store.usage()[0].prompt_tokens == 2
     store.record_usage([], watermark=("w", 5))  # an older flush finishing late cannot move it back
     assert store.usage_watermark("w") == 7
-    with pytest.raises(Exception):  # a bad row fails the whole transaction: the watermark stays too
+    with pytest.raises(DB_ERRORS):  # a bad row fails the whole transaction: the watermark stays too
         store.record_usage([UsageRow("t", "2026-01-01", None, 1, 1, 1, 0)], watermark=("w", 9))
     assert store.usage_watermark("w") == 7 and store.usage_watermark("other") == 0
 
