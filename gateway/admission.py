@@ -30,7 +30,7 @@ from gateway.logging import get_logger
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
 from gateway.settle import Settler
-from gateway.state import InMemoryState, StateUnavailable
+from gateway.state import InMemoryState, StateBackend, StateUnavailable
 from gateway.token_count import TokenCounter, UnsupportedContent
 from gateway.upstream import Upstreams
 from policies.caps import apply_caps
@@ -44,7 +44,7 @@ class Admission:
         self,
         config: GatewayConfig,
         upstreams: Upstreams,
-        state,
+        state: StateBackend,
         queues: dict,
         client: HTTP1Pool,
         events: EventWriter,

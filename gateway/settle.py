@@ -23,7 +23,7 @@ from gateway.http1 import HTTP1Pool
 from gateway.logging import get_logger
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
-from gateway.state import StateUnavailable
+from gateway.state import StateBackend, StateUnavailable
 from gateway.token_count import TokenCounter
 from gateway.upstream import Upstreams
 from policies.budget import day_key
@@ -35,8 +35,8 @@ class Settler:
     def __init__(
         self,
         upstreams: Upstreams,
-        state,
-        local,
+        state: StateBackend,
+        local: StateBackend | None,
         queues: dict,
         client: HTTP1Pool,
         events: EventWriter,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from policies.budget import DAY, MONTH, Budget, seconds_until_reset
 from policies.decisions import budget_rejection, rate_rejection
@@ -17,6 +18,34 @@ from policies.limits import TeamLimits
 from policies.rate import SlidingWindow
 from policies.reservation import Reservation
 from policies.retry import reset_header
+
+
+class StateBackend(Protocol):
+    """Live limits state: `InMemoryState` (one process) and `RedisState` (replicas sharing Redis) both are one.
+
+    reserve: take 1 request on rpm and prompt + max_tokens on tpm and the day / month budgets, all or nothing
+    (raises `Rejected`); settle: turn the hold into actual spend, refunding the rest (idempotent); acquire_slot /
+    release_slot: the team's concurrency slots. A backend that cannot be reached raises `StateUnavailable`."""
+
+    async def reserve(
+        self, team_id: str, limits: TeamLimits, prompt_tokens: int, max_tokens: int, now: float | None = None
+    ) -> Reservation: ...
+
+    async def settle(
+        self, reservation: Reservation, prompt_tokens: int, completion_tokens: int, now: float | None = None
+    ) -> Reservation: ...
+
+    async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool: ...
+
+    async def release_slot(self, team_id: str) -> None: ...
+
+    def seed_spend(self, team_id: str, day_tokens: int, month_tokens: int, now: float | None = None) -> None: ...
+
+    def snapshot(self, team_id: str, now: float | None = None) -> dict: ...
+
+    async def read_snapshot(self, team_id: str) -> dict: ...
+
+    async def ping(self) -> None: ...
 
 
 class StateUnavailable(Exception):
@@ -176,7 +205,6 @@ class InMemoryState:
 
     async def ping(self) -> None:
         """Readiness: an in-process state is always up."""
-
 
 
 def _budget_view(budget: Budget, now: float) -> dict:
