@@ -1,7 +1,11 @@
-"""AsyncEngine: the step loop on its own thread, per-request async streams for the server.
+"""AsyncEngine: the step loop on its own thread, and one `RequestStream` of outputs per request for the server.
 
-Only the engine thread touches the scheduler and the KV cache. Coroutines hand it commands (add, abort) through a
-queue, and it hands outputs back with `call_soon_threadsafe`, so the event loop never waits on a model step.
+Only the engine thread touches the LLMEngine (scheduler, KV cache). Coroutines hand it commands (add, abort) through
+a queue; it hands back outputs, abort answers and stats snapshots, outputs and answers via `call_soon_threadsafe` in
+the order they happened, so the event loop never waits on a model step. Request streams live on the event loop only.
+
+If the step loop dies, every pending stream ends with EngineDeadError and every pending abort is answered, so no
+client waits on a loop that will never answer; later requests are refused with the same error.
 """
 
 from __future__ import annotations
@@ -12,16 +16,65 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from engine.llm_engine import LLMEngine, RequestError
 from engine.metrics import EngineMetrics
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import SchedulerStats
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenweir.engine")
 FINISHED_MEMORY = 20_000  # final usage of this many recent requests stays queryable (POST /abort after the fact)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop died: nothing will be served any more (a server fault, not the client's)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine loop died ({cause!r})")
+        self.cause = cause
+
+
+class RequestStream:
+    """One request's outputs, in order (vLLM's RequestOutputCollector). Iterate it once; it ends after the finished
+    output, or raises EngineDeadError. `close()` it when done: if it has not finished, that aborts the request."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, on_close: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.final: RequestOutput | None = None  # the finished output, once read
+        self.failed = False
+        self._items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def ended(self) -> bool:
+        return self.final is not None or self.failed
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.ended:
+            item = await self._items.get()
+            if isinstance(item, BaseException):
+                self.failed = True
+                raise item
+            if item.finished:
+                self.final = item
+            yield item
+
+    def close(self) -> None:
+        """Synchronous on purpose: it runs in the `finally` of a cancelled response, where an await would be cut
+        short. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
 
 
 @dataclass
@@ -36,29 +89,50 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-    done: asyncio.Future
+    reply: Callable[[RequestOutput | None], None]  # runs on the event loop with the final output, if known
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or EngineMetrics(engine.model_name)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats: SchedulerStats = engine.make_stats()  # the latest snapshot, published by the engine thread
+        self.errored: BaseException | None = None  # why the step loop died; set on the event loop
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._finished: OrderedDict[str, RequestOutput] = OrderedDict()  # engine thread writes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.errored: BaseException | None = None
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    # --- what the server may know about the engine ------------------------------------------------------------------
 
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    # --- lifecycle --------------------------------------------------------------------------------------------------
 
     @property
     def started(self) -> bool:
@@ -76,113 +150,119 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    # --- called from the event loop ---------------------------------------------------------------------------------
+    # --- called on the event loop -----------------------------------------------------------------------------------
 
-    async def generate(
+    def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iteration early (client gone, timeout) aborts the request."""
+    ) -> RequestStream:
+        """Check the request against the engine's limits (RequestError) and queue it; its outputs arrive on the
+        returned stream. Not async, so a bad request fails before a streaming response sends its first byte."""
         if self.errored is not None:
-            raise RuntimeError(f"engine loop died: {self.errored!r}")
+            raise EngineDeadError(self.errored)
+        self.engine.validate(prompt_token_ids, params)  # reads only fixed limits: safe off the engine thread
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already running", code="duplicate_request_id")
-        self.engine.validate(prompt_token_ids, params)
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(request_id, len(prompt_token_ids), self._close_stream)
         self._streams[request_id] = stream
         self._send(_Add(request_id, prompt_token_ids, params, priority, time.monotonic()))
-        finished = False
-        try:
-            while True:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            try:
-                if not finished:
-                    await asyncio.shield(self.abort(request_id))
-            finally:  # a second cancel during the shielded abort must still free the id
-                self._streams.pop(request_id, None)
+        return stream
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Abort if still running; returns the request's final output (exact token counts) if it is known at all.
-        A stream being consumed elsewhere receives that final output and ends."""
+        Its stream, if someone is reading it, receives that final output and ends."""
         if self.errored is not None or not self.started:
             return self._finished.get(request_id)  # nothing would ever answer the command
         done = self._loop.create_future()
-        self._send(_Abort(request_id, done))
+        self._send(_Abort(request_id, partial(_set_result, done)))
         return await done
 
-    def load(self) -> dict:
-        return self.engine.load()
+    def _close_stream(self, stream: RequestStream) -> None:
+        if stream.ended or self.errored is not None:
+            self._streams.pop(stream.request_id, None)
+            return
+        # Ended early (client gone): abort it. The id stays taken until the engine answers, so outputs it sent
+        # before the abort can never land in a new request that reuses the id.
+        self._send(_Abort(stream.request_id, lambda _out: self._streams.pop(stream.request_id, None)))
 
-    def _send(self, command) -> None:
+    def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
         self._wakeup.set()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_all(self, cause: BaseException) -> None:
+        """The step loop died. Run on the event loop, where streams are registered, so none can slip past."""
+        self.errored = cause
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(cause))
+        while True:  # commands the dead thread will never read: answer the aborts from memory
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                command.reply(self._finished.get(command.request_id))
 
     # --- the engine thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands()
+                if self._run_commands():
+                    self._publish_stats()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                self.metrics.observe_step(self.engine, self.engine.last_stats, time.monotonic())
                 for out in outputs:
-                    self._deliver(out)
+                    if out.finished:
+                        self._remember(out)
+                self.metrics.observe_step(self.engine.last_stats, time.monotonic())
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                self._publish_stats()
         except BaseException as exc:  # a dead loop must fail every waiter, not hang them
             log.exception("engine step loop died")
-            self.errored = exc
-            for request_id in list(self._streams):
-                self._post(request_id, RuntimeError(f"engine failed: {exc!r}"))
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _drain_commands(self) -> None:
+    def _run_commands(self) -> bool:
+        """Apply the queued commands; False if there were none."""
+        ran = False
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if isinstance(cmd, _Add):
-                try:
-                    self.engine.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.arrival_time
-                    )
-                except RequestError as exc:
-                    self._post(cmd.request_id, exc)
+                return ran
+            ran = True
+            if isinstance(command, _Add):
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
+                )
+                continue
+            seq = self.engine.sequences.get(command.request_id)  # kept for its timings: metrics observe it
+            out = self.engine.abort_request(command.request_id)
+            if out is None:
+                out = self._finished.get(command.request_id)
             else:
-                seq = self.engine.sequences.get(cmd.request_id)
-                out = self.engine.abort_request(cmd.request_id)
-                if out is not None:
-                    self.metrics.observe_finished(seq, time.monotonic())
-                    self._remember(out)
-                    self._post(cmd.request_id, out)
-                else:
-                    out = self._finished.get(cmd.request_id)
-                self._loop.call_soon_threadsafe(_resolve, cmd.done, out)
+                self.metrics.observe_finished(seq, time.monotonic())
+                self._remember(out)
+                self._loop.call_soon_threadsafe(self._deliver, [out])
+            self._loop.call_soon_threadsafe(command.reply, out)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        if out.finished:
-            self._remember(out)
-        self._post(out.request_id, out)
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.make_stats()
+        self.metrics.observe_scheduler(self.stats)
 
     def _remember(self, out: RequestOutput) -> None:
         self._finished[out.request_id] = out
         while len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
 
-    def _post(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():  # its awaiter may have been cancelled
         future.set_result(value)

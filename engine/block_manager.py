@@ -31,8 +31,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first = evict first
         self.cached_blocks: dict[int, int] = {}  # prefix hash -> block id
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (see record_prefix_query)
+        self.prefix_cache_hits = 0  # of those, tokens found
 
     @property
     def num_blocks(self) -> int:
@@ -69,9 +69,15 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = h
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(hits) * bs
         return hits
+
+    def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one request's lookup. Not done in find_cached_prefix: a waiting request is looked up again every
+        step it finds no room, and the scheduler knows which lookup is the request's first scheduling."""
+        if not self.enable_prefix_caching:
+            return  # no cache, no queries
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_cached_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
         """Make the block table cover `num_new_tokens` more tokens (after any cached prefix). False if out of blocks,
@@ -133,8 +139,3 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)  # holds nothing reusable: reuse it first
         seq.block_table = []
         seq.block_hashes = []
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in self.free_blocks:
-            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
-        self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if self.blocks[b].ref_count > 0}

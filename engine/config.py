@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,7 +63,6 @@ class EngineConfig:
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
     num_threads: int | None = None
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"

@@ -1,4 +1,6 @@
-"""LLMEngine: owns the model, the KV pool, the scheduler, and turns steps into per-request outputs.
+"""LLMEngine: owns the model, the KV pool and the scheduler; its step is schedule -> run the model -> update the
+sequences -> per-request outputs (text and stop strings included). Requests are checked once, at the edge, by
+`validate`: AsyncEngine.add_request for the server, LLM.generate offline; add_request only asserts.
 
 `LLM` is the offline convenience wrapper (`generate` a list of prompts to completion).
 """
@@ -8,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +22,7 @@ from engine.output import RequestOutput, TextState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import SchedulerStats, StepStats
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenweir.engine")
@@ -33,18 +35,6 @@ class RequestError(ValueError):
         super().__init__(message)
         self.code = code
         self.param = param
-
-
-@dataclass
-class StepStats:
-    """What one step did, for metrics."""
-
-    num_prompt_tokens: int = 0  # prefill tokens computed this step
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    finished: list[Sequence] = field(default_factory=list)
-    first_tokens: list[Sequence] = field(default_factory=list)
-    step_seconds: float = 0.0
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
@@ -84,14 +74,20 @@ class LLMEngine:
             model_config, state, dtype, device, config.attention_backend, model_config.max_position_embeddings
         )
         del state
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, config, num_blocks, dtype, device)
-        self.sequences: dict[str, Sequence] = {}
-        self.texts: dict[str, TextState] = {}
         self.stop_token_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set()
         if model_config.eos_token_id is not None:
             self.stop_token_ids.add(model_config.eos_token_id)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.stop_token_ids,
+        )
+        self.runner = ModelRunner(self.model, config, num_blocks, dtype, device)
+        self.sequences: dict[str, Sequence] = {}
+        self.texts: dict[str, TextState] = {}  # detokenizer and stop strings, per request
         self.last_stats = StepStats()
         log.info(
             "engine ready: %s, %d KV blocks x %d tokens (%.0f MiB), attention=%s, device=%s, dtype=%s",
@@ -121,28 +117,10 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> Sequence:
-        if request_id in self.sequences:
-            raise RequestError(f"request id {request_id!r} is already running", code="duplicate_request_id")
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, priority, arrival_time)
-        self.sequences[request_id] = seq
-        self.texts[request_id] = TextState(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        self.scheduler.add(seq)
-        return seq
-
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that can never run; fills in a missing max_tokens. No engine state is
-        touched, so the server may call it from the event loop."""
+        """Raise RequestError for a request that can never run; fills in a missing max_tokens. The one check of a
+        request against this engine's limits, made at the edge (AsyncEngine.add_request, LLM.generate). No engine
+        state is touched, so it runs on the event loop, and a stream's 400 comes before its first byte."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", code="empty_prompt", param="prompt")
         vocab = self.model_config.vocab_size
@@ -161,105 +139,94 @@ class LLMEngine:
                 param="messages",
             )
 
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Queue a request that passed `validate`."""
+        assert request_id not in self.sequences, f"request id {request_id!r} is already running"
+        assert params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens <= self.max_model_len
+        seq = Sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        self.sequences[request_id] = seq
+        self.texts[request_id] = TextState(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        self.scheduler.add(seq)
+        return seq
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (exact token counts), or None."""
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._finish_output(seq, [], None)
+        return self._final_output(seq, [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
     # --- the step ---------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, let the scheduler record what it produced, make the outputs."""
         start = time.monotonic()
-        stats = StepStats()
         batch = self.scheduler.schedule()
-        stats.num_preemptions = len(batch.preempted)
-        self.last_stats = stats
         if batch.is_empty:
+            self.last_stats = StepStats()
             return []
-        for seq in [*batch.decodes, *(s for s, _ in batch.prefills)]:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = start
-        sampled, token_ids = self.runner.run(batch)
-        for seq in batch.decodes:
-            seq.num_computed_tokens += 1
-        for seq, n in batch.prefills:
-            seq.num_computed_tokens += n
-            stats.num_prompt_tokens += n if seq.num_preemptions == 0 else 0
-        now = time.monotonic()
-        outputs = []
-        for seq, token_id in zip(sampled, token_ids, strict=True):
-            outputs.append(self._append_token(seq, token_id, now, stats))
-        stats.num_generation_tokens = len(sampled)
-        stats.step_seconds = time.monotonic() - start
+        sampled_token_ids = self.runner.run(batch)
+        stepped = self.scheduler.update(batch, sampled_token_ids)
+        outputs = [self._output(seq) for seq in stepped]
+        self.last_stats = StepStats(
+            num_generation_tokens=len(stepped),
+            first_tokens=[seq for seq in stepped if seq.num_output_tokens == 1],
+            finished=[seq for seq in stepped if seq.is_finished],
+            step_seconds=time.monotonic() - start,
+        )
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int, now: float, stats: StepStats) -> RequestOutput:
-        seq.append_token(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            stats.first_tokens.append(seq)
-        seq.last_token_time = now
-        params = seq.params
-        stop_reason: str | int | None = None
-        reason = None
-        stop_string = self.texts[seq.request_id].add(token_id)
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The step's output for a sequence that got a token. Stop strings are matched here, not in Scheduler.update,
+        because they need the detokenized text, which lives in the request's TextState."""
+        token_id = seq.token_ids[-1]
+        text = self.texts[seq.request_id]
+        stop_string = text.add(token_id)
         if stop_string is not None:
-            reason, stop_reason = "stop", stop_string
-        elif not params.ignore_eos and token_id in self.stop_token_ids or token_id in params.stop_token_ids:
-            reason, stop_reason = "stop", token_id
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is None:
-            text = self.texts[seq.request_id].take_delta(finished=False)
-            return RequestOutput(
-                seq.request_id,
-                [token_id],
-                text,
-                False,
-                None,
-                seq.num_prompt_tokens,
-                seq.num_output_tokens,
-                seq.num_cached_tokens,
-            )
-        self.scheduler.finish(seq, reason)
-        stats.finished.append(seq)
-        return self._finish_output(seq, [token_id], stop_reason)
+            if seq.is_finished:  # EOS or length on the same token: the stop string wins, as in vLLM
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
+            seq.stop_reason = stop_string
+        if seq.is_finished:
+            return self._final_output(seq, [token_id])
+        return _request_output(seq, [token_id], text.take_delta(finished=False))
 
-    def _finish_output(self, seq: Sequence, new_token_ids: list[int], stop_reason) -> RequestOutput:
+    def _final_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         text = self.texts.pop(seq.request_id).take_delta(finished=True)
         self.sequences.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
-        return RequestOutput(
-            seq.request_id,
-            new_token_ids,
-            text,
-            True,
-            seq.finish_reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.num_cached_tokens,
-            stop_reason,
-        )
+        return _request_output(seq, new_token_ids, text)
 
-    # --- introspection ----------------------------------------------------------------------------------------------
 
-    def load(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": round(bm.usage, 4),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_blocks,
-            "num_cached_free_blocks": bm.num_cached_free_blocks,
-            "max_num_seqs": self.config.max_num_seqs,
-        }
+def _request_output(seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
+    return RequestOutput(
+        seq.request_id,
+        new_token_ids,
+        new_text,
+        seq.is_finished,
+        seq.finish_reason,
+        seq.num_prompt_tokens,
+        seq.num_output_tokens,
+        seq.num_cached_tokens,
+        seq.stop_reason,
+    )
 
 
 class LLM:
@@ -278,23 +245,16 @@ class LLM:
         """Returns, per prompt, a RequestOutput whose new_token_ids / new_text hold the whole completion."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+        for i, (prompt, given) in enumerate(zip(prompts, params_list, strict=True)):
             tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            request_params = SamplingParams(**vars(given))  # a copy: validate fills in max_tokens
+            self.engine.validate(tokens, request_params)
             rid = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(rid, tokens, SamplingParams(**vars(p)), (priorities or [0] * len(prompts))[i])
+            self.engine.add_request(rid, tokens, request_params, (priorities or [0] * len(prompts))[i])
             ids.append(rid)
-        results = {rid: RequestOutput(rid, [], "", False, None, 0, 0, 0) for rid in ids}
+        results = {rid: RequestOutput.empty(rid) for rid in ids}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                acc = results[out.request_id]
-                acc.new_token_ids += out.new_token_ids
-                acc.new_text += out.new_text
-                acc.finished, acc.finish_reason, acc.stop_reason = (
-                    out.finished,
-                    out.finish_reason,
-                    out.stop_reason,
-                )
-                acc.num_prompt_tokens, acc.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
-                acc.num_cached_tokens = out.num_cached_tokens
+                results[out.request_id].add(out)
         return [results[rid] for rid in ids]

@@ -1,10 +1,15 @@
-"""Prometheus metrics named like vLLM's (`vllm:` -> `tokenweir:`), on a registry of the engine's own."""
+"""Prometheus metrics named like vLLM's (`vllm:` -> `tokenweir:`), on a registry of the engine's own.
+
+Fed from the engine thread with stats snapshots (engine/stats.py) and finished sequences, never by reading the
+scheduler or the block manager directly.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.llm_engine import LLMEngine, StepStats
+from engine.sequence import Sequence
+from engine.stats import SchedulerStats, StepStats
 
 LATENCY_BUCKETS = (
     0.005,
@@ -63,19 +68,19 @@ class EngineMetrics:
         )
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
         self.model_name = model_name
-        self._prefix_seen = (0, 0)
+        self._last = SchedulerStats()  # the totals already counted
 
-    def observe_step(self, engine: LLMEngine, stats: StepStats, now: float) -> None:
-        self.num_requests_running.set(len(engine.scheduler.running))
-        self.num_requests_waiting.set(len(engine.scheduler.waiting))
-        self.kv_cache_usage_perc.set(engine.block_manager.usage)
-        if stats.num_preemptions:
-            self.num_preemptions.inc(stats.num_preemptions)
-        bm = engine.block_manager
-        queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
-        self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
-        self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queries, hits)
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
+        """Gauges from a snapshot; counters by what its totals grew since the last one."""
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        self._last = stats
+
+    def observe_step(self, stats: StepStats, now: float) -> None:
         for seq in stats.first_tokens:
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
         if stats.num_generation_tokens and stats.step_seconds:
@@ -85,9 +90,8 @@ class EngineMetrics:
                 self.itl.observe(stats.step_seconds)
         for seq in stats.finished:
             self.observe_finished(seq, now)
-        stats.finished.clear()
 
-    def observe_finished(self, seq, now: float) -> None:
+    def observe_finished(self, seq: Sequence, now: float) -> None:
         self.prompt_tokens.inc(seq.num_prompt_tokens)
         self.generation_tokens.inc(seq.num_output_tokens)
         self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()

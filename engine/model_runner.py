@@ -101,10 +101,10 @@ class ModelRunner:
         self._logits_indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return inputs, pos, meta, sampled
 
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
-        """Run one step; returns the sequences that produced a token and those tokens."""
+    def run(self, batch: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens."""
         inputs, positions, meta, sampled = self.prepare(batch)
         logits = self.model.forward(inputs, positions, self.kv_caches, meta, self._logits_indices)
         if not sampled:
-            return [], []
-        return sampled, self.sampler(logits, sampled)
+            return {}
+        return dict(zip((seq.request_id for seq in sampled), self.sampler(logits, sampled), strict=True))

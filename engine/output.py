@@ -1,4 +1,5 @@
-"""What one engine step reports per request, and the per-request text state (detokenizing, stop strings)."""
+"""What one engine step reports per request (`RequestOutput`), and the per-request text state (detokenizing, stop
+strings)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ class RequestOutput:
             "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later output of the same request into this one: the tokens and text so far, the latest counts."""
+        assert later.request_id == self.request_id
+        self.new_token_ids += later.new_token_ids
+        self.new_text += later.new_text
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+
+    @classmethod
+    def empty(cls, request_id: str) -> RequestOutput:
+        """Nothing yet: the start of an `add` accumulation."""
+        return cls(request_id, [], "", False, None, 0, 0, 0)
 
 
 class TextState:

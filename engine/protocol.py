@@ -96,7 +96,8 @@ class _SamplingRequest(BaseModel):
         return self.max_tokens
 
     def sampling_params(self) -> SamplingParams:
-        """Raises ValueError for values SamplingParams refuses; max_tokens None = the rest of the context."""
+        """The request's SamplingParams; max_tokens None = the rest of the context. Never fails for a validated request:
+        the Field bounds above are the ones SamplingParams checks (its checks guard offline callers)."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -330,3 +331,12 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def dump_response(response: BaseModel) -> dict:
+    """A response model as JSON data. `token_ids` appear only where asked for (vLLM omits the key otherwise)."""
+    data = response.model_dump(mode="json")
+    for choice in data.get("choices", []):
+        if choice.get("token_ids") is None:
+            choice.pop("token_ids", None)
+    return data

@@ -1,19 +1,27 @@
-"""Iteration-level scheduler: each step picks which sequences run and how many of their tokens.
+"""Iteration-level scheduler: before a step, which sequences run and how many of their tokens (`schedule`); after
+it, what they produced (`update`).
 
-Per step, under `max_num_batched_tokens` and `max_num_seqs`: running sequences first, in priority order (decodes
+`schedule`, under `max_num_batched_tokens` and `max_num_seqs`: running sequences first, in priority order (decodes
 and unfinished prefill chunks), then waiting ones by (priority, arrival), their prompts cut into chunks that fit the
 remaining token budget, so a long prompt never stalls the streams already running. When blocks run out, the
 lowest-priority, latest-arriving running sequence is preempted (its blocks freed; it is recomputed later, mostly from
 the prefix cache).
+
+`update` is the post-step bookkeeping (nano-vllm's `postprocess`, vLLM's `update_from_output`): advance each
+sequence's computed tokens, append its sampled token, and finish and free it on EOS, a stop token id, max_tokens or
+the context limit. Stop strings are not checked here: they need detokenized text (see LLMEngine._output).
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import SchedulerStats
 
 
 @dataclass
@@ -30,12 +38,28 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
+    def scheduled(self) -> Iterator[tuple[Sequence, int]]:
+        """(sequence, tokens computed this step), in the order the model runner lays out the batch."""
+        for seq in self.decodes:
+            yield seq, 1
+        yield from self.prefills
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # end the sequence unless its params say ignore_eos
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -47,11 +71,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                return seq
-        return None
+    def make_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_cached_free_blocks=bm.num_cached_free_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence for good and free its blocks at once."""
@@ -106,8 +138,13 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             if seq.num_preemptions == 0:
+                # Its first scheduling: the one prefix-cache query this request counts for. Lookups that found no
+                # room for it, and a preempted sequence's lookup on its way back, are not new queries (as in vLLM).
                 seq.num_cached_tokens = num_cached
+                self.block_manager.record_prefix_query(seq.num_tokens, num_cached)
             self.running.append(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
@@ -118,6 +155,30 @@ class Scheduler:
             else:
                 out.prefills.append((seq, n))
         return out
+
+    def update(self, batch: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Sequence]:
+        """After a step: advance every scheduled sequence by the tokens it computed, append the token sampled for it
+        (a prefill chunk short of the prompt's end samples none), and finish the ones that hit a stop condition.
+        Returns the sequences that got a token, in batch order."""
+        now = time.monotonic()
+        stepped: list[Sequence] = []
+        for seq, num_tokens in batch.scheduled():
+            seq.num_computed_tokens += num_tokens
+            token_id = sampled_token_ids.get(seq.request_id)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            params = seq.params
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                self.finish(seq, "stop")
+                seq.stop_reason = token_id
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+            stepped.append(seq)
+        return stepped
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)

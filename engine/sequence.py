@@ -35,7 +35,8 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first scheduling
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # stop | length | abort
+        self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
         self.num_preemptions = 0
         # timestamps for metrics (monotonic seconds)
         self.first_scheduled_time: float | None = None

@@ -333,25 +333,14 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         # errors="replace" matches Tokenizer.decode for invalid bytes; incomplete tails are held back.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._parts: list[str] = []
 
     def add(self, token_id: int) -> str:
         if self.skip_special_tokens and token_id in self.tokenizer.special_ids:
             return ""
-        piece = self._decoder.decode(self.tokenizer.token_bytes(token_id))
-        if piece:
-            self._parts.append(piece)
-        return piece
+        return self._decoder.decode(self.tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:
-        piece = self._decoder.decode(b"", final=True)
-        if piece:
-            self._parts.append(piece)
-        return piece
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
+        return self._decoder.decode(b"", final=True)
 
 
 # -- helpers

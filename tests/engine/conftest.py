@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.testing import make_tiny_llama
+from tests.engine.tiny_llama import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

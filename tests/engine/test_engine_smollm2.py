@@ -6,6 +6,7 @@ import torch
 
 from engine.config import default_model_path
 from engine.llm_engine import LLM
+from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -66,16 +67,21 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
 
-def test_alone(llm, prompts, expected):
-    for prompt, want in zip(prompts, expected, strict=True):
-        assert llm.generate([prompt], greedy())[0].new_token_ids == want
+@pytest.fixture(scope="module")
+def alone(llm, prompts) -> list[RequestOutput]:
+    """Each prompt run by itself on the module's engine, which leaves every prompt's blocks in its prefix cache."""
+    return [llm.generate([prompt], greedy())[0] for prompt in prompts]
 
 
-def test_batched_chunked_prefix_cached(llm, prompts, expected):
+def test_alone(alone, expected):
+    assert [o.new_token_ids for o in alone] == expected
+
+
+def test_batched_chunked_prefix_cached(llm, prompts, expected, alone):
     hits_before = llm.engine.block_manager.prefix_cache_hits
     outs = llm.generate(prompts, greedy())
     assert [o.new_token_ids for o in outs] == expected
-    # Every prompt ran alone before: this time their blocks come from the prefix cache.
+    # Every prompt ran alone before (the `alone` fixture): this time their blocks come from the prefix cache.
     assert llm.engine.block_manager.prefix_cache_hits > hits_before
     assert all(o.num_cached_tokens > 0 for o, p in zip(outs, prompts, strict=True) if len(p) > 16)
 

@@ -93,5 +93,19 @@ def test_request_that_can_never_fit_is_a_clear_error(tiny_model_dir):
 
     llm = LLM(tiny_model_dir, num_kv_blocks=4)  # 64 tokens of KV in all
     with pytest.raises(RequestError, match="maximum context length is 64") as err:
-        llm.engine.add_request("big", list(range(3, 63)), greedy(10))
+        llm.generate([list(range(3, 63))], greedy(10))
     assert err.value.code == "context_length_exceeded"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_prefix_cache_queries_count_a_waiting_request_once(tiny_model_dir):
+    engine = LLM(tiny_model_dir, num_kv_blocks=8).engine  # 128 tokens of KV
+    engine.add_request("big", list(range(3, 103)), greedy(20))  # 7 blocks, then 8
+    engine.step()
+    engine.add_request("waits", list(range(110, 150)), greedy(1))  # needs 3 blocks: none until "big" is done
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps > 10, "the second request waited while the first one decoded"
+    assert engine.block_manager.prefix_cache_queries == 100 + 40

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.server import build_app, main, parse_size
-from engine.testing import make_tiny_llama
+from tests.engine.tiny_llama import make_tiny_llama
 
 PROMPT = [5, 17, 42, 99, 3, 250, 8]
 LONG = 8000  # max_tokens of requests that are meant to be cut short: they cannot finish during a test
@@ -291,6 +291,31 @@ async def test_metrics_count_the_tokens_served(served):
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds"):
         assert values[f"tokenweir:{name}_count"] >= 1, name
     assert "tokenweir:num_requests_running" in values and "tokenweir:kv_cache_usage_perc" in values
+
+
+async def test_prefix_cache_queries_count_a_waiting_request_once(model_dir, monkeypatch):
+    """A request waiting for KV blocks is looked up every step it does not fit; it still counts as one query."""
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=8, num_threads=1))  # 128 tokens of KV
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.02) or step())  # the blocker runs for ~0.5 s
+    async with serve(engine) as served:
+        blocker = {"model": served.model, "prompt": list(range(100, 200)), "max_tokens": 28, "stream": True}
+        async with served.client.stream("POST", "/v1/completions", json=blocker) as response:
+            live = LiveStream(response)
+            await live.take(1)
+            # 40 tokens need 3 blocks; the blocker leaves 1 free until it ends.
+            waiting = asyncio.create_task(
+                served.post("/v1/completions", {"prompt": list(range(3, 43)), "max_tokens": 1})
+            )
+            for _ in range(1000):
+                if (await served.load())["num_waiting"] == 1:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the 40-token request never waited")
+            assert (await live.rest())[-1] == "[DONE]"
+        assert (await waiting).status_code == 200
+        assert (await served.metrics())["tokenweir:prefix_cache_queries_total"] == 100 + 40
 
 
 # --- abort and disconnect: exact usage, no leaked KV blocks -----------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
-from engine.testing import make_tiny_llama
 from kernels import triton_paged
+from tests.engine.tiny_llama import make_tiny_llama
 from tests.kernels.helpers import DEVICE
 
 

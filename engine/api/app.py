@@ -1,0 +1,60 @@
+"""The engine's FastAPI app over a running AsyncEngine: lifespan, request ids, error handlers and the routes."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.api.errors import add_error_handlers
+from engine.api.routes import router
+from engine.async_engine import AsyncEngine
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def build_app(async_engine: AsyncEngine) -> FastAPI:
+    """Under uvicorn, the lifespan starts and stops the engine loop; a test driving the app through
+    httpx.ASGITransport (no lifespan) calls `async_engine.start()` itself."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        started_here = not async_engine.started
+        if started_here:
+            async_engine.start()
+        yield
+        if started_here:
+            async_engine.stop()
+
+    app = FastAPI(title="tokenweir engine", lifespan=lifespan)
+    app.add_middleware(RequestIdMiddleware)
+    app.state.async_engine = async_engine  # what the routes' `Engine` dependency reads
+    add_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+class RequestIdMiddleware:
+    """Takes a sane `X-Request-Id` (else makes a uuid), stores it in scope state and echoes it on the response; the
+    engine runs the request under that id, so POST /abort can name it. Pure ASGI on purpose: BaseHTTPMiddleware
+    would sit between a stream and its disconnect."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

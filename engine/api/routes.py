@@ -1,0 +1,269 @@
+"""The engine's HTTP routes: OpenAI's /v1 endpoints and vLLM-style extras (/tokenize, /detokenize, /abort, /load,
+/health, /metrics).
+
+Routes stay thin: the body arrives validated (engine/protocol.py), the prompt becomes token ids, AsyncEngine checks
+the request against its limits and streams the outputs, and any error is raised for the app's handlers to render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.api.disconnect import wait_for_disconnect
+from engine.api.errors import APIError
+from engine.api.streaming import stream_response
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.llm_engine import RequestError
+from engine.output import RequestOutput
+from engine.protocol import (
+    AbortRequest,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    DeltaMessage,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    Usage,
+    dump_response,
+)
+from engine.tokenizer import Tokenizer
+
+
+def _engine(request: Request) -> AsyncEngine:
+    return request.app.state.async_engine
+
+
+Engine = Annotated[AsyncEngine, Depends(_engine)]
+router = APIRouter()
+
+# --- OpenAI endpoints -----------------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, engine: Engine):
+    check_model(engine, body.model)
+    prompt = encode_chat(engine, body.template_messages(), body.add_generation_prompt)
+    stream = start(engine, request, prompt, body, prompt_param="messages")
+    response_id = f"chatcmpl-{stream.request_id}"
+
+    def choice(out: RequestOutput) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            delta=DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage(),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            token_ids=out.new_token_ids if body.return_token_ids else None,
+        )
+
+    if body.stream:
+        return stream_response(
+            stream,
+            ChatCompletionChunk,
+            choice,
+            response_id=response_id,
+            model=engine.model_name,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            show_token_ids=body.return_token_ids,
+            first_choice=ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")),
+        )
+    out = await collect(request, stream)
+    message = ChatChoice(
+        message=AssistantMessage(content=out.new_text),
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        token_ids=out.new_token_ids if body.return_token_ids else None,
+    )
+    usage = Usage.model_validate(out.usage)
+    return JSONResponse(
+        dump_response(ChatCompletion(id=response_id, model=engine.model_name, choices=[message], usage=usage))
+    )
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, engine: Engine):
+    check_model(engine, body.model)
+    prompt = encode_text(engine, body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    stream = start(engine, request, prompt, body, prompt_param="prompt")
+    response_id = f"cmpl-{stream.request_id}"
+    # A model without a tokenizer has no text to show: its token ids are the output.
+    show_token_ids = body.return_token_ids or engine.tokenizer is None
+
+    def choice(out: RequestOutput) -> CompletionChoice:
+        return CompletionChoice(
+            text=out.new_text,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            token_ids=out.new_token_ids if show_token_ids else None,
+        )
+
+    if body.stream:
+        return stream_response(
+            stream,
+            Completion,
+            choice,
+            response_id=response_id,
+            model=engine.model_name,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            show_token_ids=show_token_ids,
+        )
+    out = await collect(request, stream)
+    usage = Usage.model_validate(out.usage)
+    return JSONResponse(
+        dump_response(Completion(id=response_id, model=engine.model_name, choices=[choice(out)], usage=usage))
+    )
+
+
+@router.get("/v1/models")
+async def models(engine: Engine) -> ModelList:
+    return ModelList(data=[ModelCard(id=engine.model_name, root=engine.model_path, max_model_len=engine.max_model_len)])
+
+
+# --- vLLM-style extras ----------------------------------------------------------------------------------------------
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, engine: Engine) -> dict:
+    check_model(engine, body.model)
+    if body.messages is not None:
+        tokens = encode_chat(engine, [m.to_template() for m in body.messages], body.add_generation_prompt)
+    else:
+        tokens = encode_text(engine, body.prompt)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, engine: Engine) -> dict:
+    check_model(engine, body.model)
+    tokenizer = need_tokenizer(engine, "detokenizing", "tokens")
+    vocab = engine.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < min(vocab, tokenizer.vocab_size)]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "invalid_token_id", "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+@router.post("/abort")
+async def abort(body: AbortRequest, engine: Engine) -> dict:
+    out = await engine.abort(body.request_id)
+    status = "unknown" if out is None else "aborted" if out.finish_reason == "abort" else "finished"
+    return {"request_id": body.request_id, "status": status, "usage": out.usage if out else None}
+
+
+@router.get("/health")
+async def health(engine: Engine) -> Response:
+    if engine.errored is not None:
+        return APIError(503, f"engine loop died: {engine.errored!r}", "engine_dead").response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/load")
+async def load(engine: Engine) -> dict:
+    stats = engine.stats
+    return {
+        "num_running": stats.num_running_reqs,
+        "num_waiting": stats.num_waiting_reqs,
+        "kv_cache_usage": round(stats.kv_cache_usage, 4),
+        "num_free_blocks": stats.num_free_blocks,
+        "num_total_blocks": stats.num_total_blocks,
+        "num_cached_free_blocks": stats.num_cached_free_blocks,
+        "max_num_seqs": engine.max_num_seqs,
+    }
+
+
+@router.get("/metrics")
+async def metrics(engine: Engine) -> Response:
+    return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- helpers --------------------------------------------------------------------------------------------------------
+
+
+def check_model(engine: AsyncEngine, name: str | None) -> None:
+    if name is not None and name != engine.model_name:
+        raise APIError(
+            404,
+            f"The model {name!r} does not exist: this server serves {engine.model_name!r}.",
+            "model_not_found",
+            "model",
+        )
+
+
+def need_tokenizer(engine: AsyncEngine, what: str, param: str) -> Tokenizer:
+    if engine.tokenizer is None:
+        raise APIError(
+            400,
+            f"model {engine.model_name!r} has no tokenizer, so {what} is not possible: send token ids as a "
+            "/v1/completions prompt instead",
+            "no_tokenizer",
+            param,
+        )
+    return engine.tokenizer
+
+
+def encode_text(engine: AsyncEngine, text: str) -> list[int]:
+    tokenizer = need_tokenizer(engine, "a text prompt", "prompt")
+    ids = tokenizer.encode(text)
+    if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id, *ids]
+    return ids
+
+
+def encode_chat(engine: AsyncEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    tokenizer = need_tokenizer(engine, "chat", "messages")
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt)
+    except ValueError as exc:  # no chat template, or the template's raise_exception()
+        raise APIError(400, str(exc), "chat_template_error", "messages") from exc
+
+
+def start(
+    engine: AsyncEngine,
+    request: Request,
+    prompt: list[int],
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_param: str,
+) -> RequestStream:
+    """Hand the request to the engine under the id the middleware chose; a refusal names the prompt as the client
+    sent it (`messages` for chat, `prompt` for a text completion)."""
+    try:
+        return engine.add_request(request.state.request_id, prompt, body.sampling_params(), body.priority)
+    except RequestError as exc:
+        if exc.param in ("prompt", "messages"):
+            exc.param = prompt_param
+        raise
+
+
+async def collect(request: Request, stream: RequestStream) -> RequestOutput:
+    """A non-stream request's outputs folded into one. If the client disconnects first, the request is aborted."""
+
+    async def fold() -> RequestOutput:
+        total = RequestOutput.empty(stream.request_id)
+        async for out in stream:
+            total.add(out)
+        return total
+
+    work = asyncio.create_task(fold())
+    gone = asyncio.create_task(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise APIError(400, "client disconnected", "client_disconnected")
+        return work.result()
+    finally:
+        gone.cancel()
+        work.cancel()
+        stream.close()
