@@ -48,8 +48,8 @@ log = get_logger()
 def create_app(config: GatewayConfig, *, store: Store | None = None, state_backend=None) -> FastAPI:
     """An app for `config`. A `store` passed in stays open after shutdown (the caller owns it)."""
     ensure_configured(config.log_level)
-    upstreams = Upstreams(config)
     metrics = Metrics()
+    upstreams = Upstreams(config, metrics)
     own_state = state_backend is None
     state = state_backend or make_state(config)
     queues = {name: DispatchQueue(p.cfg.capacity, p.cfg.max_queued) for name, p in upstreams.pools.items()}

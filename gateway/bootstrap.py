@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import os
+
 from gateway.store import Conflict, Store
 
 DEMO_TEAM = "demo"
+ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"
 
 
-def ensure_bootstrap(store: Store) -> tuple[str | None, str | None]:
+def ensure_env_admin_key(store: Store, secret: str | None) -> bool:
+    """TOKENWEIR_ADMIN_KEY: the operator's own tw- secret becomes an admin key (stored hashed like any other).
+
+    Idempotent across restarts and replicas: an already stored secret is left as it is (revoked included: a revoked
+    key stays revoked). Returns True when the key was created now."""
+    if not secret:
+        return False
+    if store.find_key(secret) is not None:
+        return False
+    try:
+        store.create_key(None, "env-admin", is_admin=True, secret=secret)
+    except Conflict:  # another replica inserted it between our look-up and insert
+        return False
+    return True
+
+
+def ensure_bootstrap(store: Store, admin_key: str | None = None) -> tuple[str | None, str | None]:
     """Returns (admin_secret, demo_secret), each only when created now, for the caller to print once.
 
     An admin key is created whenever no usable one exists (so a locked-out operator gets back in by restarting);
     the demo team only on a fresh store (no teams, no keys), so deleting it is respected on later starts.
+    `admin_key` (default $TOKENWEIR_ADMIN_KEY): the operator's own admin secret, stored first; then no admin key
+    is generated (the operator has theirs) unless that one is revoked.
     """
+    admin_key = os.environ.get(ADMIN_KEY_ENV) if admin_key is None else admin_key
+    fresh = not store.list_keys() and not store.list_teams()
+    ensure_env_admin_key(store, admin_key)
     all_keys = store.list_keys()
-    fresh = not all_keys and not store.list_teams()
     admin_secret = demo_secret = None
     if not any(k.is_admin and k.revoked_at is None and not k.is_expired() for k in all_keys):
         admin_secret, _ = store.create_key(None, "bootstrap-admin", is_admin=True)

@@ -1,13 +1,18 @@
 """Gateway configuration: dataclasses loaded from YAML or TOML, then overridden by `TOKENWEIR_*` env vars.
 
 Env names follow the field path: `TOKENWEIR_PORT=9000`, `TOKENWEIR_STORE_URL=...`,
-`TOKENWEIR_TIMEOUTS__TTFT_S=30` (double underscore steps into a nested section). Pools are lists and so come
-from the file, except the one-upstream shortcut `TOKENWEIR_UPSTREAM_URL` (+ `TOKENWEIR_UPSTREAM_MODEL`, and
-`TOKENWEIR_UPSTREAM_TOKENIZER`: a GGUF path or "default" for exact prompt counts).
+`TOKENWEIR_TIMEOUTS__TTFT_S=30` (double underscore steps into a nested section). Lists and whole sections are
+JSON: `TOKENWEIR_ENGINE__EXTRA_ARGS='["--max-num-seqs","8"]'`, `TOKENWEIR_POOLS='[{"model": "m", "upstreams":
+[{"base_url": "http://h:8100", "engine": false}]}]'`. One-upstream shortcut: `TOKENWEIR_UPSTREAM_URL`
+(+ `TOKENWEIR_UPSTREAM_MODEL`, and `TOKENWEIR_UPSTREAM_TOKENIZER`: a GGUF path or "default" for exact counts).
+
+Strict both ways: an unknown key in the file, or a `TOKENWEIR_*` env var that names no setting (and is not one of
+`OTHER_ENV`), is an error naming it and the closest valid name; a boolean is one of true/false/1/0/yes/no/on/off.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 import types
@@ -15,7 +20,23 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
+import orjson
 import yaml
+
+ENV_PREFIX = "TOKENWEIR_"
+# TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
+OTHER_ENV = frozenset(
+    {
+        "TOKENWEIR_UPSTREAM_URL",  # the one-upstream shortcut, below
+        "TOKENWEIR_UPSTREAM_MODEL",
+        "TOKENWEIR_UPSTREAM_TOKENIZER",
+        "TOKENWEIR_KEY_PEPPER",  # gateway/store.py
+        "TOKENWEIR_ADMIN_KEY",  # gateway/bootstrap.py
+        "TOKENWEIR_ATTENTION_BACKEND",  # the engine
+    }
+)
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
 
 
 @dataclass
@@ -29,7 +50,8 @@ class UpstreamConfig:
     engine: bool = True  # ours: poll /load, ask for continuous usage, POST /abort on cancel
 
     def __post_init__(self) -> None:
-        self.base_url = self.base_url.rstrip("/")
+        # With or without the /v1 suffix: the gateway appends /v1/... paths itself.
+        self.base_url = self.base_url.rstrip("/").removesuffix("/v1").rstrip("/")
         self.name = self.name or self.base_url
 
 
@@ -95,7 +117,7 @@ class EventsConfig:
 
 
 @dataclass
-class EngineConfig:
+class BundledEngineConfig:
     """The bundled engine that `tokenweir serve` starts as a child process."""
 
     enabled: bool = True
@@ -117,7 +139,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
     default_max_tokens: int = 1024  # when neither the request nor the team's cap says
     max_body_bytes: int = 4 * 1024 * 1024
     load_poll_interval_s: float = 1.0
@@ -139,30 +161,91 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     if path is not None:
         text = Path(path).read_text()
         data = tomllib.loads(text) if str(path).endswith(".toml") else (yaml.safe_load(text) or {})
-        assert isinstance(data, dict), f"{path}: the top level must be a mapping"
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    env = os.environ if env is None else env
+    _merge_env(data, env)
     config = _build(GatewayConfig, data, "")
-    _apply_env(config, os.environ if env is None else env)
+    if env.get("TOKENWEIR_UPSTREAM_URL"):
+        model = env.get("TOKENWEIR_UPSTREAM_MODEL", "default")
+        config.pools = [p for p in config.pools if p.model != model]
+        upstream = UpstreamConfig(env["TOKENWEIR_UPSTREAM_URL"])
+        config.pools.append(
+            PoolConfig(model=model, upstreams=[upstream], tokenizer=env.get("TOKENWEIR_UPSTREAM_TOKENIZER"))
+        )
     return config
+
+
+def env_names(cls=GatewayConfig, prefix: str = ENV_PREFIX) -> dict[str, type]:
+    """Every settable env name -> its field type: each field, and each field of a nested section."""
+    names = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        names[prefix + name.upper()] = tp
+        if is_dataclass(tp):
+            names.update(env_names(tp, f"{prefix}{name.upper()}__"))
+    return names
+
+
+def _merge_env(data: dict, env) -> None:
+    """Env overrides into the file's data, coerced here so that errors name the variable."""
+    names = env_names()
+    for key, raw in sorted(env.items()):
+        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV or key.startswith("TOKENWEIR_TEST_"):
+            continue
+        if key not in names:
+            close = difflib.get_close_matches(key, [*names, *OTHER_ENV], n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(f"unknown setting in env: {key}{hint}")
+        tp = names[key]
+        inner = _unwrap(tp)
+        if raw == "" and inner is not tp:  # Optional: empty means None
+            value = None
+        elif is_dataclass(inner) or typing.get_origin(inner) is list:
+            try:
+                value = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"{key}: expected JSON ({e})") from e
+        else:
+            value = raw
+        *sections, last = key[len(ENV_PREFIX) :].lower().split("__")
+        target = data
+        for part in sections:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[last] = _coerce(tp, value, key)
+
+
+def _unwrap(tp):
+    """T from T | None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
 
 
 def _build(cls, data: dict, where: str):
     known = {f.name: f for f in fields(cls)}
     unknown = set(data) - set(known)
     if unknown:
-        raise ValueError(f"unknown config key(s) {sorted(unknown)} in {where or 'top level'}")
+        hints = []
+        for k in sorted(unknown, key=str):
+            close = difflib.get_close_matches(str(k), list(known), n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown config key(s) {', '.join(hints)} in {where or 'top level'}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
     return cls(**kwargs)
 
 
 def _coerce(tp, value, where: str):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None:
             return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        origin = typing.get_origin(tp)
+        tp = _unwrap(tp)
+    origin = typing.get_origin(tp)
     if is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping")
         return _build(tp, value, where + ".")
@@ -172,35 +255,13 @@ def _coerce(tp, value, where: str):
             raise ValueError(f"{where}: expected a list")
         return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is bool and isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        word = value.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"{where}: expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
+        return word in _TRUE
     if tp in (int, float, str) and not isinstance(value, tp):
         try:
             return tp(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}") from e
     return value
-
-
-def _apply_env(config: GatewayConfig, env) -> None:
-    prefix = "TOKENWEIR_"
-    for key, raw in env.items():
-        if not key.startswith(prefix) or key.startswith("TOKENWEIR_UPSTREAM_"):
-            continue
-        path = key[len(prefix) :].lower().split("__")
-        target = config
-        for part in path[:-1]:
-            target = getattr(target, part, None)
-            if not is_dataclass(target):
-                break
-        else:
-            hints = typing.get_type_hints(type(target))
-            if path[-1] in hints and typing.get_origin(hints[path[-1]]) is not list:
-                value = None if raw == "" else raw
-                setattr(target, path[-1], _coerce(hints[path[-1]], value, key))
-    if env.get("TOKENWEIR_UPSTREAM_URL"):
-        model = env.get("TOKENWEIR_UPSTREAM_MODEL", "default")
-        config.pools = [p for p in config.pools if p.model != model]
-        upstream = UpstreamConfig(env["TOKENWEIR_UPSTREAM_URL"])
-        config.pools.append(
-            PoolConfig(model=model, upstreams=[upstream], tokenizer=env.get("TOKENWEIR_UPSTREAM_TOKENIZER"))
-        )

@@ -47,6 +47,32 @@ class Metrics:
         self.queue_depth = Gauge(
             p + "queue_depth", "Requests waiting in a pool's dispatch queue", ["model"], registry=r
         )
+        # Per upstream instance (model = the pool it belongs to, upstream = its configured name; not "instance",
+        # which Prometheus sets to the scraped gateway itself).
+        self.circuit_state = Gauge(
+            p + "upstream_circuit_state",
+            "An instance's circuit: 0 closed, 1 open, 2 half-open (a probe is out)",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            p + "upstream_failures",
+            "Dispatches that failed on the instance (connect errors, 5xx, 429, broken streams, timeouts)",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.hops = Counter(
+            p + "upstream_hops",
+            "Hops tried on the instance (every dispatch, fallbacks included)",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            p + "fallbacks",
+            "Requests for `model` served by a hop of the fallback pool `served_model`",
+            ["model", "served_model"],
+            registry=r,
+        )
 
     def refresh_team(self, team: str, snapshot: dict) -> None:
         """Copy a state snapshot into the per-team gauges (done at scrape time, not per request)."""

@@ -75,7 +75,7 @@ class Settler:
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
         if ctx.hop is not None:
-            ctx.hop.instance.done(ok, time.monotonic())
+            ctx.hop.done(ok, time.monotonic())
             self.metrics.in_flight.labels(ctx.model).dec()
             ctx.hop = None
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ import psycopg
 from gateway import keys
 from policies.limits import TeamLimits
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# Package data (gateway/migrations/*.sql), found through importlib.resources so an installed wheel has it too.
+MIGRATIONS_DIR: Traversable = resources.files("gateway") / "migrations"
 _MIGRATION_RE = re.compile(r"^(\d{4})_[A-Za-z0-9_]+\.sql$")
 # pg_advisory_xact_lock key: replicas starting together migrate one at a time.
 _PG_MIGRATION_LOCK = 0x746F6B656E
@@ -162,7 +165,9 @@ class Store:
         self._conn = connect()
 
     @classmethod
-    def open(cls, url: str, *, pepper: bytes | str | None = None, migrations_dir: Path | None = None) -> Store:
+    def open(
+        cls, url: str, *, pepper: bytes | str | None = None, migrations_dir: Path | Traversable | None = None
+    ) -> Store:
         """`sqlite:///relative.db`, `sqlite:////abs/path.db`, `sqlite://:memory:` or `postgresql://...`.
 
         The key pepper defaults to $TOKENWEIR_KEY_PEPPER; every replica must use the same one.
@@ -224,7 +229,7 @@ class Store:
             # The server dropped us (restart, failover, idle kill): a read is safe to retry once, on a new connection.
             return _Db(self._connection(), self.postgres).all(sql, params)
 
-    def migrate(self, migrations_dir: Path = MIGRATIONS_DIR) -> list[int]:
+    def migrate(self, migrations_dir: Path | Traversable = MIGRATIONS_DIR) -> list[int]:
         """Apply, in order and once each, every NNNN_name.sql not in schema_version. Returns those applied."""
         files = sorted((int(m.group(1)), p) for p in migrations_dir.iterdir() if (m := _MIGRATION_RE.match(p.name)))
         versions = [v for v, _ in files]
@@ -325,30 +330,42 @@ class Store:
         *,
         is_admin: bool = False,
         expires_at: datetime | str | None = None,
+        secret: str | None = None,
     ) -> tuple[str, ApiKey]:
-        """Returns (secret, key). The secret exists only in this return value: show it once."""
+        """Returns (secret, key). The secret exists only in this return value: show it once.
+
+        `secret`: a well-formed tw- secret the operator chose (TOKENWEIR_ADMIN_KEY) instead of a fresh one; a key
+        with that secret already stored raises Conflict."""
         assert team_id is not None or is_admin, "a key without a team must be an admin key"
         if isinstance(expires_at, str):
             expires_at = parse_ts(expires_at)
-        secret = keys.generate_secret()
+        if secret is None:
+            secret = keys.generate_secret()
+        elif not keys.is_well_formed(secret):
+            raise ValueError("a key secret is 'tw-' and 43 characters of base64url (as `tw-` + token_urlsafe(32))")
         key_id = "key_" + secrets.token_hex(8)
-        with self._tx() as db:
-            if team_id is not None and not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
-                raise NotFound("team", team_id)
-            db.execute(
-                "INSERT INTO api_keys (id, team_id, name, prefix, key_hash, is_admin, created_at, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    key_id,
-                    team_id,
-                    name,
-                    keys.visible_prefix(secret),
-                    keys.hash_secret(secret, self._pepper),
-                    is_admin,
-                    now_ts(),
-                    format_ts(expires_at) if expires_at else None,
-                ),
-            )
+        try:
+            with self._tx() as db:
+                if team_id is not None and not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
+                    raise NotFound("team", team_id)
+                db.execute(
+                    "INSERT INTO api_keys (id, team_id, name, prefix, key_hash, is_admin, created_at, expires_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        key_id,
+                        team_id,
+                        name,
+                        keys.visible_prefix(secret),
+                        keys.hash_secret(secret, self._pepper),
+                        is_admin,
+                        now_ts(),
+                        format_ts(expires_at) if expires_at else None,
+                    ),
+                )
+        except Exception as exc:
+            if _is_integrity_error(exc):  # that secret is stored already (another replica got there first)
+                raise Conflict("a key with this secret already exists") from exc
+            raise
         return secret, self.get_key(key_id)
 
     def find_key(self, secret: str) -> ApiKey | None:

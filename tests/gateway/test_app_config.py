@@ -2,14 +2,45 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
+import yaml
 
 from gateway.config import GatewayConfig, load_config
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
-def test_example_config_loads():
-    config = load_config("config.example.yaml", env={})
-    assert isinstance(config, GatewayConfig) and config.port == 8000 and config.timeouts.ttft_s == 60
+
+def _leaves(data: dict, path: tuple = ()):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+def test_example_config_loads(tmp_path):
+    """Every value the example file sets is the loaded config's, and it documents every setting."""
+    config = load_config(EXAMPLE, env={})
+    assert isinstance(config, GatewayConfig)
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    leaves = dict(_leaves(raw))
+    for path, value in leaves.items():
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        assert target == value, (path, target, value)
+    documented = {path[0] for path in leaves} | {p[0] + "." + p[1] for p in leaves if len(p) == 2}
+    for f in dataclasses.fields(GatewayConfig):
+        assert f.name in documented, f"config.example.yaml does not show {f.name}"
+    # The file is read, not just defaults: the same file with two values changed loads those values.
+    text = EXAMPLE.read_text()
+    assert "ttft_s: 60 " in text and "  port: 8100" in text
+    (tmp_path / "c.yaml").write_text(text.replace("ttft_s: 60 ", "ttft_s: 61 ").replace("  port: 8100", "  port: 8101"))
+    changed = load_config(tmp_path / "c.yaml", env={})
+    assert (changed.timeouts.ttft_s, changed.engine.port) == (61, 8101)
 
 
 def test_yaml_pools_and_env_overrides(tmp_path):
