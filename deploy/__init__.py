@@ -1,0 +1,1 @@
+"""The lab: config rendering (render.py), the local-process topology (lab.py), the dashboard picture."""
