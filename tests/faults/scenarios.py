@@ -129,6 +129,18 @@ def check_followup(res: FaultResult) -> None:
         res.problem(f"follow-up request of a max_concurrency-2 team got {res.followup}, not 200 (locked out)")
 
 
+def follow_up(res: FaultResult, url: str, small) -> None:
+    """Right after the fault, the max_concurrency-2 team must get a 200: nothing of it is still held."""
+    res.followup, outcome = followup(url, small.secret)
+    res.add([outcome])
+
+
+def check_contract(res: FaultResult, **accounting) -> None:
+    check_accounting(res, **accounting)
+    check_leaks(res)
+    check_followup(res)
+
+
 def followup(url: str, secret: str) -> tuple[int, Outcome]:
     """One small request of a team: 200 unless it is locked out (leaked slots) or the gateway is down."""
     out = run(storm(url, [Req(secret, completion(tokens=2), tag="followup")], timeout_s=15))
@@ -262,14 +274,11 @@ def redis_cut(
             res.notes.append(f"503 codes: {Counter(o.code for o in down)}")
         st.wait_events(res.requests, timeout=4.0)
         set_leaks(res, leaks_redis(st, [big, small]))
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         set_leaks(res, leaks_redis(st, [big, small], wait_s=0.5))
         settle_and_stop(st, res, [gw])
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 def redis_cut_fin(workdir: Path, before: bool = False, **kw) -> FaultResult:
@@ -306,14 +315,11 @@ def redis_pool_exhaustion(
         check_outcomes(res, outcomes)
         st.wait_events(res.requests, timeout=5.0)
         set_leaks(res, leaks_redis(st, [big, small]))
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         set_leaks(res, leaks_redis(st, [big, small], wait_s=0.5))
         settle_and_stop(st, res, [gw])
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
         if not before:
             res.notes.append(f"state.max_connections={max_connections}")
 
@@ -396,13 +402,10 @@ def redis_down(workdir: Path, before: bool, res: FaultResult):
         check_outcomes(res, outcomes)
         st.wait_events(res.requests, timeout=4.0)
         set_leaks(res, leaks_redis(st, [big, small]))
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         settle_and_stop(st, res, [gw], seeded=seeded)
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 def _check_down(res: FaultResult, outcomes: list[Outcome], when: str) -> None:
@@ -435,14 +438,11 @@ def redis_down_fail_open(workdir: Path, before: bool, res: FaultResult, n: int =
             res.problem(f"fail_open with Redis down: {Counter(o.status for o in outcomes)} (want all 200)")
         time.sleep(1.0)
         st.wait_events(res.requests, timeout=4.0)
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         set_leaks(res, leaks_redis(st, [big, small]))
         settle_and_stop(st, res, [gw])
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 # --- (d) SIGKILL after a burst --------------------------------------------------------------------------------
@@ -476,13 +476,10 @@ def sigkill_after_burst(workdir: Path, before: bool, res: FaultResult, n_fit: in
         check_outcomes(res, outcomes)
         st.wait_events(res.requests, timeout=4.0)
         set_leaks(res, leaks_memory(st, gw, [team, small]))
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         settle_and_stop(st, res, [gw])
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 # --- (e) SIGTERM past the grace period -------------------------------------------------------------------------
@@ -522,13 +519,10 @@ def sigterm_past_grace(workdir: Path, before: bool, res: FaultResult, grace_s: f
         # not be locked out by leases left behind
         gw.start()
         set_leaks(res, leaks_redis(st, [big, small]))
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         settle_and_stop(st, res, [gw])
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 # --- (f) upstream dies mid-stream ------------------------------------------------------------------------------
@@ -567,13 +561,10 @@ def upstream_dies(workdir: Path, before: bool, res: FaultResult):
         st.wait_events(res.requests, timeout=4.0)
         set_leaks(res, leaks_redis(st, [big, small]))
         known = set(st.fake.records)
-        res.followup, fo = followup(gw.url, small.secret)
-        res.add([fo])
+        follow_up(res, gw.url, small)
         settle_and_stop(st, res, [gw])
         res.served = served_1 + delivered_2 + st.served_by(set(st.fake.records) - known)
-        check_accounting(res, served_label="served (upstream counters; what reached the gateway once it died)")
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res, served_label="served (upstream counters; what reached the gateway once it died)")
 
 
 # --- (g) clients leaving at every point ------------------------------------------------------------------------
@@ -633,15 +624,12 @@ def clients_leave(workdir: Path, before: bool, res: FaultResult, sweep: int = 30
         check_outcomes(res, [o for o in outcomes if o.tag != "raw"])
         st.wait_events(res.requests, timeout=5.0)
         set_leaks(res, leaks_redis(st, [big, small]))
-        res.followup, fo = followup(url, small.secret)
-        res.add([fo])
+        follow_up(res, url, small)
         settle_and_stop(st, res, [gw])
         res.served = st.served()
         reasons = Counter(e.get("reason") for e in st.events())
         res.notes.append(f"event reasons {dict(reasons)}")
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
         # statuses of raw leavers are mostly "none" (they left before an answer): not 5xx
         res.statuses.pop("none", None)
 
@@ -686,17 +674,14 @@ def two_replicas(workdir: Path, before: bool, res: FaultResult, n_fit: int = 30,
         check_outcomes(res, outcomes)
         st.wait_events(res.requests, timeout=5.0)
         set_leaks(res, leaks_redis(st, [team_a, team_b, small]))
-        res.followup, fo = followup(gws[1].url, small.secret)
-        res.add([fo])
+        follow_up(res, gws[1].url, small)
         settle_and_stop(st, res, gws)
         for team in (team_a, team_b):
             billed = sum(e["prompt_tokens"] + e["completion_tokens"] for e in st.events() if e.get("team") == team.id)
             if billed > budget:
                 res.problem(f"team {team.name} billed {billed} tokens, its day budget is {budget}")
         res.served = st.served()
-        check_accounting(res)
-        check_leaks(res)
-        check_followup(res)
+        check_contract(res)
 
 
 SCENARIOS = [
