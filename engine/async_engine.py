@@ -95,7 +95,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
-        self.metrics = metrics or EngineMetrics(engine.model_name)
+        self.metrics = metrics or EngineMetrics(engine.model_name, max_model_len=engine.max_model_len)
         self.stats: SchedulerStats = engine.make_stats()  # the latest snapshot, published by the engine thread
         self.errored: BaseException | None = None  # why the step loop died; set on the event loop
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()

@@ -186,6 +186,7 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in stepped]
         self.last_stats = StepStats(
             num_generation_tokens=len(stepped),
+            num_tokens=batch.num_tokens,
             first_tokens=[seq for seq in stepped if seq.num_output_tokens == 1],
             finished=[seq for seq in stepped if seq.is_finished],
             step_seconds=time.monotonic() - start,

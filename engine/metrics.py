@@ -6,7 +6,15 @@ scheduler or the block manager directly.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 from engine.sequence import Sequence
 from engine.stats import SchedulerStats, StepStats
@@ -31,12 +39,38 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# vLLM's `vllm:iteration_tokens_total` buckets (tokens per engine step).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_MAX_MODEL_LEN = 2048  # for the token-count buckets when the caller does not say
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, 100, ... while <= max_value."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int | None = None
+    ) -> None:
+        if registry is None:
+            # A registry of the engine's own (tests build several engines in one process), plus what the default
+            # registry would have exported: process_* (CPU, memory, fds; Linux only), python_info and python_gc_*.
+            registry = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -67,6 +101,16 @@ class EngineMetrics:
             "request_prefill_time_seconds", "First scheduling to first token.", REQUEST_BUCKETS
         )
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished (incl. aborted) request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished (incl. aborted) request.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step (prefill + decode).", ITERATION_TOKEN_BUCKETS
+        )
         self.model_name = model_name
         self._last = SchedulerStats()  # the totals already counted
 
@@ -81,6 +125,8 @@ class EngineMetrics:
         self._last = stats
 
     def observe_step(self, stats: StepStats, now: float) -> None:
+        if stats.num_tokens:
+            self.iteration_tokens.observe(stats.num_tokens)
         for seq in stats.first_tokens:
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
         if stats.num_generation_tokens and stats.step_seconds:
@@ -94,6 +140,8 @@ class EngineMetrics:
     def observe_finished(self, seq: Sequence, now: float) -> None:
         self.prompt_tokens.inc(seq.num_prompt_tokens)
         self.generation_tokens.inc(seq.num_output_tokens)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(seq.num_output_tokens)
         self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
         self.e2e.observe(now - seq.arrival_time)
         if seq.first_scheduled_time is not None:

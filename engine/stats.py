@@ -29,6 +29,7 @@ class StepStats:
     """What one step did, for metrics."""
 
     num_generation_tokens: int = 0
+    num_tokens: int = 0  # tokens the model computed this step (prefill chunks + decodes)
     first_tokens: list[Sequence] = field(default_factory=list)  # sequences that got their first token
     finished: list[Sequence] = field(default_factory=list)
     step_seconds: float = 0.0
