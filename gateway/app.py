@@ -26,6 +26,7 @@ from gateway import relay
 from gateway.admin import router as admin_router
 from gateway.admission import Admission
 from gateway.auth import Authenticator
+from gateway.body import validation_error
 from gateway.config import GatewayConfig
 from gateway.context import new_request_id
 from gateway.dispatch_queue import DispatchQueue
@@ -35,7 +36,7 @@ from gateway.logging import bind_request, clear_request, ensure_configured, get_
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
 from gateway.probes import router as probes_router
-from gateway.routes import router, validation_error
+from gateway.routes import router
 from gateway.state import InMemoryState, StateUnavailable
 from gateway.state_redis import REDIS_ERRORS, RedisState
 from gateway.store import Store

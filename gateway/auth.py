@@ -16,7 +16,8 @@ from fastapi import Request
 
 from gateway import keys
 from gateway.errors import APIError
-from gateway.store import DB_ERRORS, ApiKey, Store, Team
+from gateway.store import ApiKey, Store, Team
+from gateway.store_db import DB_ERRORS
 
 # Unknown secrets are cached too (a brute force must not hammer the store), so bound the memory.
 _MAX_CACHED = 10_000

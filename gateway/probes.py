@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, error_response
 from gateway.state import StateUnavailable
-from gateway.store import DB_ERRORS
+from gateway.store_db import DB_ERRORS
 
 router = APIRouter()
 

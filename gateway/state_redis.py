@@ -1,8 +1,8 @@
 """Shared live state in Redis for several gateway replicas: the same methods as `InMemoryState`.
 
-Every decision is one Lua script (one round trip, atomic on the server), so N replicas together admit exactly
-what one would: limits are never multiplied by the replica count. Layout per team (a `{team}` hash tag keeps a
-team's keys in one cluster slot):
+Every decision is one Lua script (gateway.state_redis_lua; one round trip, atomic on the server), so N replicas
+together admit exactly what one would: limits are never multiplied by the replica count. Layout per team (a
+`{team}` hash tag keeps a team's keys in one cluster slot):
   rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
   day:<key> month:<key>  hash spent / reserved / overshoot, expiring a day after the period ends
   holds               zset reservation id -> lease expiry; res:<id> hash with what the hold took
@@ -28,6 +28,16 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.state import StateUnavailable
+from gateway.state_redis_lua import (
+    ACQUIRE,
+    ACQUIRE_ARGV,
+    RENEW,
+    RESERVE,
+    RESERVE_ARGV,
+    SETTLE,
+    SETTLE_ARGV,
+    script_args,
+)
 from policies.budget import DAY, MONTH, day_key, month_key, period_bounds, seconds_until_reset
 from policies.decisions import budget_rejection, rate_rejection
 from policies.limits import TeamLimits
@@ -43,149 +53,6 @@ REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
 WINDOW_S = 60.0
 SLOTS = 60
 _NONE = -1  # "unlimited" on the wire
-
-# Shared Lua: drop stale slots of a window hash; return used units and the live slots sorted oldest first.
-_WINDOW = """
-local function window(key, oldest)
-  local h = redis.call('HGETALL', key)
-  local used, live, stale = 0, {}, {}
-  for i = 1, #h, 2 do
-    local s, c = tonumber(h[i]), tonumber(h[i + 1])
-    if s < oldest then stale[#stale + 1] = h[i] else used = used + c; live[#live + 1] = {s, c} end
-  end
-  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
-  table.sort(live, function(a, b) return a[1] < b[1] end)
-  return used, live
-end
-local function wait_for(used, live, n, limit, slots, slot_s, now)
-  if n > limit then return -1 end
-  if used + n <= limit then return 0 end
-  local freed = 0
-  for _, e in ipairs(live) do
-    freed = freed + e[2]
-    if used - freed + n <= limit then return math.max(0, (e[1] + slots + 1) * slot_s - now) end
-  end
-  return slots * slot_s
-end
-local function hget_num(key, field)
-  return tonumber(redis.call('HGET', key, field) or '0') or 0
-end
-local function give_back(key, field, n)  -- decrement, never below zero
-  local have = hget_num(key, field)
-  redis.call('HSET', key, field, math.max(0, have - n))
-end
-"""
-
-# KEYS: rpm tpm day month holds meta   ARGV: now n rpm tpm day_limit month_limit slot_s slots day_key month_key
-#   day_expire month_expire res_id lease_s res_prefix
-_RESERVE = (
-    _WINDOW
-    + """
-local now, n = tonumber(ARGV[1]), tonumber(ARGV[2])
-local rpm_l, tpm_l, day_l, month_l = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local slot_s, slots = tonumber(ARGV[7]), tonumber(ARGV[8])
-local cur = math.floor(now / slot_s)
-redis.call('HSET', KEYS[6], 'rpm', ARGV[3], 'tpm', ARGV[4], 'day_limit', ARGV[5], 'month_limit', ARGV[6])
--- reap holds whose replica never settled them: their tokens go back to the periods still current
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)) do
-  local res = ARGV[15] .. id
-  local r = redis.call('HMGET', res, 'tokens', 'day_key', 'month_key')
-  local t = tonumber(r[1] or '0') or 0
-  if r[2] == ARGV[9] then give_back(KEYS[3], 'reserved', t) end
-  if r[3] == ARGV[10] then give_back(KEYS[4], 'reserved', t) end
-  give_back(KEYS[6], 'reserved', t)
-  if r[1] then  -- tombstone: a settle arriving late still bills its tokens, without a second give-back
-    redis.call('HSET', res, 'state', 'reaped')
-    redis.call('EXPIRE', res, 86400)
-  end
-  redis.call('ZREM', KEYS[5], id)
-end
-local rpm_used, rpm_live = window(KEYS[1], cur - slots)
-local tpm_used, tpm_live = window(KEYS[2], cur - slots)
-if rpm_l >= 0 and rpm_used + 1 > rpm_l then
-  return {1, tostring(wait_for(rpm_used, rpm_live, 1, rpm_l, slots, slot_s, now)), rpm_used, tpm_used}
-end
-if tpm_l >= 0 and tpm_used + n > tpm_l then
-  return {2, tostring(wait_for(tpm_used, tpm_live, n, tpm_l, slots, slot_s, now)), rpm_used, tpm_used}
-end
-local budgets = {{KEYS[3], day_l, 3}, {KEYS[4], month_l, 4}}
-for _, b in ipairs(budgets) do
-  local taken = hget_num(b[1], 'spent') + hget_num(b[1], 'reserved')
-  if b[2] >= 0 and taken + n > b[2] then return {b[3], tostring(math.max(0, b[2] - taken)), rpm_used, tpm_used} end
-end
-local ttl_ms = math.ceil((slots + 2) * slot_s * 1000)
-redis.call('HINCRBY', KEYS[1], cur, 1)
-redis.call('PEXPIRE', KEYS[1], ttl_ms)
-redis.call('HINCRBY', KEYS[2], cur, n)
-redis.call('PEXPIRE', KEYS[2], ttl_ms)
-redis.call('HINCRBY', KEYS[3], 'reserved', n)
-redis.call('EXPIRE', KEYS[3], ARGV[11])
-redis.call('HINCRBY', KEYS[4], 'reserved', n)
-redis.call('EXPIRE', KEYS[4], ARGV[12])
-redis.call('HINCRBY', KEYS[6], 'reserved', n)
-local res = ARGV[15] .. ARGV[13]
-redis.call('HSET', res, 'tokens', n, 'taken_at', ARGV[1], 'day_key', ARGV[9], 'month_key', ARGV[10])
-redis.call('EXPIRE', res, math.ceil(tonumber(ARGV[14])) + 3600)
-redis.call('ZADD', KEYS[5], now + tonumber(ARGV[14]), ARGV[13])
-return {0, '0', rpm_used + 1, tpm_used + n}
-"""
-)
-
-# KEYS: tpm day month holds meta res   ARGV: now actual slot_s slots day_key month_key day_expire month_expire id
-_SETTLE = (
-    _WINDOW
-    + """
-local r = redis.call('HMGET', KEYS[6], 'tokens', 'taken_at', 'day_key', 'month_key', 'state')
-if r[5] == 'settled' then return -1 end  -- idempotent: the first settle left this tombstone
-local now, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
-local slot_s, slots = tonumber(ARGV[3]), tonumber(ARGV[4])
--- a hold reaped (its lease ran out) or long gone: bill the tokens anyway, nothing is left to give back
-local held = r[1] and r[5] ~= 'reaped'
-local tokens, taken_at = tonumber(r[1] or actual), tonumber(r[2] or now)
-local cur = math.floor(now / slot_s)
-if actual < tokens then
-  local slot = math.floor(taken_at / slot_s)
-  if slot >= cur - slots then
-    local have = hget_num(KEYS[1], slot)
-    if have > 0 then redis.call('HINCRBY', KEYS[1], slot, -math.min(tokens - actual, have)) end
-  end
-elseif actual > tokens then
-  redis.call('HINCRBY', KEYS[1], cur, actual - tokens)
-  redis.call('PEXPIRE', KEYS[1], math.ceil((slots + 2) * slot_s * 1000))
-end
-local over = math.max(0, actual - tokens)
-local periods = {{KEYS[2], r[3], ARGV[5], ARGV[7]}, {KEYS[3], r[4], ARGV[6], ARGV[8]}}
-for _, p in ipairs(periods) do
-  if held and p[2] == p[3] then give_back(p[1], 'reserved', tokens) end  -- else it left with its period
-  redis.call('HINCRBY', p[1], 'spent', actual)
-  redis.call('HINCRBY', p[1], 'overshoot', over)
-  redis.call('EXPIRE', p[1], p[4])
-end
-if held then give_back(KEYS[5], 'reserved', tokens) end
-redis.call('ZREM', KEYS[4], ARGV[9])
-redis.call('HSET', KEYS[6], 'state', 'settled')
-redis.call('EXPIRE', KEYS[6], 86400)
-return over
-"""
-)
-
-# KEYS: slots   ARGV: now lease_s max lease_id
-_ACQUIRE = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local max = tonumber(ARGV[3])
-if max >= 0 and redis.call('ZCARD', KEYS[1]) >= max then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[4])
-redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000) + 1000)
-return 1
-"""
-
-# KEYS: slots   ARGV: expiry ttl_ms lease_id...   (XX: a lease already reaped stays gone)
-_RENEW = """
-for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 1
-"""
 
 
 def _lim(value: int | None) -> int:
@@ -229,10 +96,10 @@ class RedisState:
         self._sync = redis.Redis.from_url(
             url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._settle = self._redis.register_script(_SETTLE)
-        self._acquire = self._redis.register_script(_ACQUIRE)
-        self._renew = self._redis.register_script(_RENEW)
+        self._reserve = self._redis.register_script(RESERVE)
+        self._settle = self._redis.register_script(SETTLE)
+        self._acquire = self._redis.register_script(ACQUIRE)
+        self._renew = self._redis.register_script(RENEW)
         self._leases: dict[str, list[str]] = {}  # this replica's live slot leases per team
         self._renewer: asyncio.Task | None = None
 
@@ -255,11 +122,27 @@ class RedisState:
         n = prompt_tokens + max_tokens
         day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
         res_id = uuid.uuid4().hex
+        # KEYS: rpm_window tpm_window day_hash month_hash holds_zset meta_hash (see state_redis_lua.RESERVE)
         keys = [self._key(team_id, "rpm"), self._key(team_id, "tpm"), day_k, month_k]
         keys += [self._key(team_id, "holds"), self._key(team_id, "meta")]
-        args = [repr(now), n, _lim(limits.rpm), _lim(limits.tpm), _lim(limits.tokens_per_day)]
-        args += [_lim(limits.tokens_per_month), WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id, self.hold_s]
-        args += [self._key(team_id, "res:")]
+        args = script_args(
+            RESERVE_ARGV,
+            now=repr(now),
+            tokens=n,
+            rpm_limit=_lim(limits.rpm),
+            tpm_limit=_lim(limits.tpm),
+            day_limit=_lim(limits.tokens_per_day),
+            month_limit=_lim(limits.tokens_per_month),
+            slot_s=WINDOW_S / SLOTS,
+            slots=SLOTS,
+            day_period=d,
+            month_period=m,
+            day_expire_s=d_exp,
+            month_expire_s=m_exp,
+            res_id=res_id,
+            hold_s=self.hold_s,
+            res_prefix=self._key(team_id, "res:"),
+        )
         try:
             code, detail, rpm_used, tpm_used = await self._reserve(keys=keys, args=args)
         except REDIS_ERRORS as e:
@@ -306,9 +189,21 @@ class RedisState:
             assert op["op"] == "settle", op
             team_id, res_id, now = op["team_id"], op["res_id"], op["now"]
             day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
+            # KEYS: tpm_window day_hash month_hash holds_zset meta_hash res_hash (see state_redis_lua.SETTLE)
             keys = [self._key(team_id, "tpm"), day_k, month_k, self._key(team_id, "holds")]
             keys += [self._key(team_id, "meta"), self._key(team_id, f"res:{res_id}")]
-            args = [repr(now), op["tokens"], WINDOW_S / SLOTS, SLOTS, d, m, d_exp, m_exp, res_id]
+            args = script_args(
+                SETTLE_ARGV,
+                now=repr(now),
+                actual=op["tokens"],
+                slot_s=WINDOW_S / SLOTS,
+                slots=SLOTS,
+                day_period=d,
+                month_period=m,
+                day_expire_s=d_exp,
+                month_expire_s=m_exp,
+                res_id=res_id,
+            )
             return int(await self._settle(keys=keys, args=args))
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
@@ -317,7 +212,13 @@ class RedisState:
         """Take a concurrency lease shared by all replicas; renewed in the background until released."""
         lease_id = uuid.uuid4().hex
         key = self._key(team_id, "slots")
-        args = [repr(self._clock()), self.lease_s, _lim(max_concurrency), lease_id]
+        args = script_args(
+            ACQUIRE_ARGV,
+            now=repr(self._clock()),
+            lease_s=self.lease_s,
+            max_concurrency=_lim(max_concurrency),
+            lease_id=lease_id,
+        )
         try:
             if not await self._acquire(keys=[key], args=args):
                 return False
@@ -348,6 +249,7 @@ class RedisState:
         ttl_ms = math.ceil(self.lease_s * 1000) + 1000
         for team_id, leases in list(self._leases.items()):
             if leases:
+                # ARGV: expiry, ttl_ms, then every lease id (see state_redis_lua.RENEW)
                 await self._renew(keys=[self._key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
 
     async def _renew_loop(self) -> None:

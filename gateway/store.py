@@ -2,22 +2,19 @@
 
 Sync by design: the gateway calls it through `asyncio.to_thread`, and only the auth cache miss is on the
 request path. One connection guarded by a lock; SQLite runs in WAL mode so readers in other processes
-never block.
+never block. The SQL plumbing (driver differences, timestamps, migrations runner) lives in gateway.store_db.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
-import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
@@ -25,13 +22,18 @@ from typing import Any
 import psycopg
 
 from gateway import keys
+from gateway.store_db import (
+    MIGRATIONS_DIR,
+    Db,
+    apply_migrations,
+    format_ts,
+    is_integrity_error,
+    migration_files,
+    now_ts,
+    parse_ts,
+    sqlite_connect,
+)
 from policies.limits import TeamLimits
-
-# Package data (gateway/migrations/*.sql), found through importlib.resources so an installed wheel has it too.
-MIGRATIONS_DIR: Traversable = resources.files("gateway") / "migrations"
-_MIGRATION_RE = re.compile(r"^(\d{4})_[A-Za-z0-9_]+\.sql$")
-# pg_advisory_xact_lock key: replicas starting together migrate one at a time.
-_PG_MIGRATION_LOCK = 0x746F6B656E
 
 # team_limits columns, in TeamLimits order. A field added to TeamLimits needs a migration: the assert says so.
 LIMIT_COLUMNS = (
@@ -99,63 +101,6 @@ class UsageRow:
     cached_tokens: int
 
 
-def format_ts(dt: datetime) -> str:
-    """Fixed-width UTC text, so timestamps compare correctly as strings in either database."""
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return dt.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def parse_ts(value: str) -> datetime:
-    dt = datetime.fromisoformat(value)
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
-
-
-def now_ts() -> str:
-    return format_ts(datetime.now(UTC))
-
-
-def split_sql(script: str) -> list[str]:
-    """Statements of a migration file. Migrations keep ';' out of string literals, so this stays simple."""
-    lines = [line.split("--", 1)[0] for line in script.splitlines()]
-    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
-
-
-def _is_integrity_error(exc: Exception) -> bool:
-    return isinstance(exc, sqlite3.IntegrityError | psycopg.IntegrityError)
-
-
-# What a database failure looks like, from either driver: callers map it to 503, never 500.
-DB_ERRORS = (sqlite3.Error, psycopg.Error)
-
-
-class _Db:
-    """The open transaction: one execute interface over sqlite3 ('?') and psycopg ('%s')."""
-
-    def __init__(self, conn: Any, postgres: bool) -> None:
-        self.conn = conn
-        self.postgres = postgres
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.postgres else sql
-
-    def execute(self, sql: str, params: tuple | list = ()) -> Any:
-        return self.conn.execute(self._sql(sql), params) if params else self.conn.execute(sql)
-
-    def executemany(self, sql: str, rows: list[tuple]) -> None:
-        cur = self.conn.cursor()
-        try:
-            cur.executemany(self._sql(sql), rows)
-        finally:
-            cur.close()
-
-    def all(self, sql: str, params: tuple | list = ()) -> list[tuple]:
-        return list(self.execute(sql, params).fetchall())
-
-    def one(self, sql: str, params: tuple | list = ()) -> tuple | None:
-        return self.execute(sql, params).fetchone()
-
-
 class Store:
     def __init__(self, connect: Any, postgres: bool, pepper: bytes | None) -> None:
         self._connect = connect
@@ -184,7 +129,7 @@ class Store:
             path = path or ":memory:"
             if path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            store = cls(lambda: _sqlite_connect(path), False, pepper)
+            store = cls(lambda: sqlite_connect(path), False, pepper)
         else:
             raise ValueError(f"unsupported store url {url!r}: use sqlite:///path.db or postgresql://...")
         store.migrate(migrations_dir or MIGRATIONS_DIR)
@@ -203,17 +148,17 @@ class Store:
         return self._conn
 
     @contextmanager
-    def _tx(self) -> Iterator[_Db]:
+    def _tx(self) -> Iterator[Db]:
         with self._lock:
             conn = self._connection()
             if self.postgres:
                 with conn.transaction():
-                    yield _Db(conn, True)
+                    yield Db(conn, True)
                 return
             # Take the write lock up front: no read-to-write upgrade deadlocks between processes.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                yield _Db(conn, False)
+                yield Db(conn, False)
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
@@ -222,37 +167,18 @@ class Store:
     def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]:
         with self._lock:
             try:
-                return _Db(self._connection(), self.postgres).all(sql, params)
+                return Db(self._connection(), self.postgres).all(sql, params)
             except psycopg.OperationalError:
                 if not self._conn.broken:
                     raise
             # The server dropped us (restart, failover, idle kill): a read is safe to retry once, on a new connection.
-            return _Db(self._connection(), self.postgres).all(sql, params)
+            return Db(self._connection(), self.postgres).all(sql, params)
 
     def migrate(self, migrations_dir: Path | Traversable = MIGRATIONS_DIR) -> list[int]:
         """Apply, in order and once each, every NNNN_name.sql not in schema_version. Returns those applied."""
-        files = sorted((int(m.group(1)), p) for p in migrations_dir.iterdir() if (m := _MIGRATION_RE.match(p.name)))
-        versions = [v for v, _ in files]
-        assert len(set(versions)) == len(versions), f"two migrations share a number in {migrations_dir}"
-        applied_now = []
+        files = migration_files(migrations_dir)
         with self._tx() as db:
-            if self.postgres:
-                db.execute("SELECT pg_advisory_xact_lock(?)", (_PG_MIGRATION_LOCK,))
-                exists = db.one("SELECT to_regclass('schema_version')")[0] is not None
-            else:
-                exists = db.one("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'")
-            done = {r[0] for r in db.all("SELECT version FROM schema_version")} if exists else set()
-            for version, path in files:
-                if version in done:
-                    continue
-                for statement in split_sql(path.read_text()):
-                    db.execute(statement)
-                db.execute(
-                    "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
-                    (version, path.name, now_ts()),
-                )
-                applied_now.append(version)
-        return applied_now
+            return apply_migrations(db, files)
 
     def schema_versions(self) -> list[int]:
         return [r[0] for r in self._read("SELECT version FROM schema_version ORDER BY version")]
@@ -271,7 +197,7 @@ class Store:
                 )
                 _write_limits(db, team_id, limits)
         except Exception as exc:
-            if _is_integrity_error(exc):  # lost a race with another replica creating the same name
+            if is_integrity_error(exc):  # lost a race with another replica creating the same name
                 raise Conflict(f"a team named {name!r} already exists") from exc
             raise
         return self.get_team(team_id)
@@ -299,7 +225,7 @@ class Store:
                 if enabled is not None:
                     db.execute("UPDATE teams SET enabled = ? WHERE id = ?", (enabled, team_id))
         except Exception as exc:
-            if _is_integrity_error(exc):
+            if is_integrity_error(exc):
                 raise Conflict(f"a team named {name!r} already exists") from exc
             raise
         return self.get_team(team_id)
@@ -363,7 +289,7 @@ class Store:
                     ),
                 )
         except Exception as exc:
-            if _is_integrity_error(exc):  # that secret is stored already (another replica got there first)
+            if is_integrity_error(exc):  # that secret is stored already (another replica got there first)
                 raise Conflict("a key with this secret already exists") from exc
             raise
         return secret, self.get_key(key_id)
@@ -465,16 +391,7 @@ class Store:
         return int(rows[0][0])
 
 
-def _sqlite_connect(path: str) -> sqlite3.Connection:
-    # isolation_level=None: we issue BEGIN/COMMIT ourselves; check_same_thread=False: our lock serialises.
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = NORMAL")
-    conn.execute("PRAGMA foreign_keys = ON")
-    return conn
-
-
-def _write_limits(db: _Db, team_id: str, limits: TeamLimits) -> None:
+def _write_limits(db: Db, team_id: str, limits: TeamLimits) -> None:
     values = [getattr(limits, c) for c in LIMIT_COLUMNS]
     models = LIMIT_COLUMNS.index("allowed_models")
     values[models] = None if limits.allowed_models is None else json.dumps(list(limits.allowed_models))

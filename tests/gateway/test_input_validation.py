@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gateway import routes
+from gateway import body as body_parsing
 from gateway.admin import router as admin_router
 from gateway.auth import Authenticator
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
@@ -479,9 +479,9 @@ def test_non_text_parts_pass_validation(stack, parts):
 @pytest.mark.parametrize("levels", [63, 64, 65, 66, 200])
 def test_depth_limit_is_exact(levels):
     body = {"model": MODEL, "x": deep(levels - 1)}  # the body itself is level 1
-    assert routes.nests_too_deep(body) is (levels > routes.MAX_DEPTH)
-    assert routes._deeper_than(body, routes.MAX_DEPTH) is (levels > routes.MAX_DEPTH)
-    assert routes.too_deep(body, routes.MAX_DEPTH) == ("x" if levels > routes.MAX_DEPTH else None)
+    assert body_parsing.nests_too_deep(body) is (levels > body_parsing.MAX_DEPTH)
+    assert body_parsing._deeper_than(body, body_parsing.MAX_DEPTH) is (levels > body_parsing.MAX_DEPTH)
+    assert body_parsing.too_deep(body, body_parsing.MAX_DEPTH) == ("x" if levels > body_parsing.MAX_DEPTH else None)
 
 
 def test_openapi_documents_the_request_bodies_and_errors(stack):

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway import keys
-from gateway.store import DB_ERRORS, Conflict, NotFound, Store, UsageRow, split_sql
+from gateway.store import Conflict, NotFound, Store, UsageRow
+from gateway.store_db import DB_ERRORS, split_sql
 from policies.limits import TeamLimits
 from tests.gateway.store_fixtures import open_store, pg_schema_url
 
