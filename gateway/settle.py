@@ -123,7 +123,11 @@ class Settler:
     def record(self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int) -> None:
         """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
         write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
-        seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts)
+        seq = None
+        try:
+            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts)
+        except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
+            log.exception("event_write_failed", request_id=ctx.request_id)
         if ctx.route:
             model = ctx.served_model or ctx.model
             self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)

@@ -194,3 +194,21 @@ def test_state_config_is_checked(on_unavailable):
     assert StateConfig(on_unavailable=on_unavailable).on_unavailable == on_unavailable
     with pytest.raises(ValueError, match="fail_closed or fail_open"):
         StateConfig(on_unavailable="open")
+
+
+def test_an_event_that_cannot_be_written_still_bills_the_request(tmp_path):
+    store = Store.open(f"sqlite:///{tmp_path}/s.db")
+    team_id, auth = make_team(store)
+    fake = FakeUpstream(model=MODEL)
+    with ServerThread(fake) as up, serve_app(gateway(tmp_path, up.url), store=store) as gw:
+        events = gw.app.state.events
+
+        def disk_full(event: dict) -> int:
+            raise OSError(28, "No space left on device")
+
+        events.emit = disk_full
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=auth, timeout=10)
+        assert r.status_code == 200, r.text
+    (row,) = store.usage(team_id=team_id)
+    assert row.requests == 1 and row.prompt_tokens + row.completion_tokens == sum(fake.totals())
+    store.close()
