@@ -7,7 +7,8 @@ drops its cache after each write). Bad input gets an OpenAI-style 400 naming the
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, date, datetime
+import time
+from datetime import date
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
@@ -39,9 +40,11 @@ from gateway.admin_models import (
 )
 from gateway.auth import require_admin
 from gateway.errors import APIError, error_response
+from gateway.services import Services, ServicesDep
 from gateway.state import StateUnavailable
-from gateway.store import Conflict, NotFound, Store, Team
+from gateway.store import Conflict, NotFound, Team
 from gateway.store_db import DB_ERRORS
+from policies.budget import DAY, MONTH, period_start_day
 
 # --- validation errors, OpenAI-shaped ----------------------------------------------------------------------
 
@@ -60,7 +63,7 @@ _PATTERNS = {
 }
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def admin_validation_error(exc: RequestValidationError) -> APIError:
     """The first problem, with the field as a dotted path in `param` ('limits.rpm'), as OpenAI reports it."""
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
@@ -89,7 +92,7 @@ class _OpenAIErrorRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                return error_response(validation_error(exc))
+                return error_response(admin_validation_error(exc))
             except APIError as err:  # also from require_admin: the router works even on an app without the handler
                 return error_response(err)
             except HTTPException as exc:  # FastAPI's own: a body it could not read (e.g. JSON nested too deep)
@@ -125,11 +128,7 @@ router = APIRouter(
 # --- helpers ----------------------------------------------------------------------------------------------
 
 
-def _store(request: Request) -> Store:
-    return request.app.state.store
-
-
-async def _call(request: Request, fn, *args, **kwargs):
+async def _call(fn, *args, **kwargs):
     """Run a store call off the event loop, mapping store errors to API errors."""
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -148,15 +147,14 @@ async def _call(request: Request, fn, *args, **kwargs):
         ) from exc
 
 
-def _changed(request: Request) -> None:
+def _changed(services: Services) -> None:
     # This replica sees the change at once; the others within their cache TTL (<= 1 s).
-    authenticator = getattr(request.app.state, "authenticator", None)
-    if authenticator is not None:
-        authenticator.invalidate()
+    if services.authenticator is not None:
+        services.authenticator.invalidate()
 
 
-async def _team_or_404(request: Request, team_id: str) -> Team:
-    team = await _call(request, _store(request).get_team, team_id)
+async def _team_or_404(services: Services, team_id: str) -> Team:
+    team = await _call(services.store.get_team, team_id)
     if team is None:
         raise APIError(404, f"No such team: {team_id!r}.", "team_not_found", param="team_id")
     return team
@@ -166,19 +164,19 @@ async def _team_or_404(request: Request, team_id: str) -> Team:
 
 
 @router.post("/teams", status_code=201, summary="Create a team", responses={409: _err("Name taken.")})
-async def create_team(body: TeamCreate, request: Request) -> TeamOut:
-    team = await _call(request, _store(request).create_team, body.name, body.limits.to_limits(), body.enabled)
+async def create_team(body: TeamCreate, services: ServicesDep) -> TeamOut:
+    team = await _call(services.store.create_team, body.name, body.limits.to_limits(), body.enabled)
     return TeamOut.of(team)
 
 
 @router.get("/teams", summary="List teams")
-async def list_teams(request: Request) -> TeamList:
-    return TeamList(data=[TeamOut.of(t) for t in await _call(request, _store(request).list_teams)])
+async def list_teams(services: ServicesDep) -> TeamList:
+    return TeamList(data=[TeamOut.of(t) for t in await _call(services.store.list_teams)])
 
 
 @router.get("/teams/{team_id}", summary="Get a team", responses={404: _err("No such team.")})
-async def get_team(team_id: TeamId, request: Request) -> TeamOut:
-    return TeamOut.of(await _team_or_404(request, team_id))
+async def get_team(team_id: TeamId, services: ServicesDep) -> TeamOut:
+    return TeamOut.of(await _team_or_404(services, team_id))
 
 
 @router.patch(
@@ -186,9 +184,9 @@ async def get_team(team_id: TeamId, request: Request) -> TeamOut:
     summary="Rename, enable or disable a team",
     responses={404: _err("No such team."), 409: _err("Name taken.")},
 )
-async def update_team(team_id: TeamId, body: TeamUpdate, request: Request) -> TeamOut:
-    team = await _call(request, _store(request).update_team, team_id, name=body.name, enabled=body.enabled)
-    _changed(request)
+async def update_team(team_id: TeamId, body: TeamUpdate, services: ServicesDep) -> TeamOut:
+    team = await _call(services.store.update_team, team_id, name=body.name, enabled=body.enabled)
+    _changed(services)
     return TeamOut.of(team)
 
 
@@ -197,9 +195,9 @@ async def update_team(team_id: TeamId, body: TeamUpdate, request: Request) -> Te
     summary="Delete a team and its keys (its usage history stays)",
     responses={404: _err("No such team.")},
 )
-async def delete_team(team_id: TeamId, request: Request) -> Deleted:
-    await _call(request, _store(request).delete_team, team_id)
-    _changed(request)
+async def delete_team(team_id: TeamId, services: ServicesDep) -> Deleted:
+    await _call(services.store.delete_team, team_id)
+    _changed(services)
     return Deleted(id=team_id, object="team")
 
 
@@ -208,15 +206,15 @@ async def delete_team(team_id: TeamId, request: Request) -> Deleted:
     summary="Replace a team's limits (omitted fields become unlimited)",
     responses={404: _err("No such team.")},
 )
-async def set_limits(team_id: TeamId, body: Limits, request: Request) -> Limits:
-    team = await _call(request, _store(request).set_limits, team_id, body.to_limits())
-    _changed(request)
+async def set_limits(team_id: TeamId, body: Limits, services: ServicesDep) -> Limits:
+    team = await _call(services.store.set_limits, team_id, body.to_limits())
+    _changed(services)
     return Limits.of(team.limits)
 
 
 @router.get("/teams/{team_id}/limits", summary="Get a team's limits", responses={404: _err("No such team.")})
-async def get_limits(team_id: TeamId, request: Request) -> Limits:
-    return Limits.of((await _team_or_404(request, team_id)).limits)
+async def get_limits(team_id: TeamId, services: ServicesDep) -> Limits:
+    return Limits.of((await _team_or_404(services, team_id)).limits)
 
 
 @router.get(
@@ -224,13 +222,13 @@ async def get_limits(team_id: TeamId, request: Request) -> Limits:
     summary="Live counters and remaining budgets of a team",
     responses={404: _err("No such team.")},
 )
-async def team_state(team_id: TeamId, request: Request) -> TeamState:
-    team = await _team_or_404(request, team_id)
-    today = datetime.now(UTC).date()
-    day, month_start = today.isoformat(), today.replace(day=1).isoformat()
-    store = _store(request)
-    spent_today = await _call(request, store.spent_tokens, team_id, day)
-    spent_month = await _call(request, store.spent_tokens, team_id, month_start)
+async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
+    team = await _team_or_404(services, team_id)
+    now = time.time()
+    day, month_start = period_start_day(DAY, now), period_start_day(MONTH, now)
+    store = services.store
+    spent_today = await _call(store.spent_tokens, team_id, day)
+    spent_month = await _call(store.spent_tokens, team_id, month_start)
     limits = team.limits
     stored = StoredSpend(
         day=day,
@@ -241,7 +239,7 @@ async def team_state(team_id: TeamId, request: Request) -> TeamState:
         remaining_month=None if limits.tokens_per_month is None else max(0, limits.tokens_per_month - spent_month),
     )
     live, live_error = None, None
-    backend = getattr(request.app.state, "state_backend", None)
+    backend = services.state
     if backend is not None:
         try:
             live = await backend.read_snapshot(team_id)
@@ -267,32 +265,32 @@ async def team_state(team_id: TeamId, request: Request) -> TeamState:
     summary="Create an API key for a team (the secret is returned once)",
     responses={404: _err("No such team.")},
 )
-async def create_team_key(team_id: TeamId, body: KeyCreate, request: Request) -> KeyCreated:
-    secret, key = await _call(request, _store(request).create_key, team_id, body.name, expires_at=body.expiry())
+async def create_team_key(team_id: TeamId, body: KeyCreate, services: ServicesDep) -> KeyCreated:
+    secret, key = await _call(services.store.create_key, team_id, body.name, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
 
 @router.get("/teams/{team_id}/keys", summary="List a team's keys", responses={404: _err("No such team.")})
-async def list_team_keys(team_id: TeamId, request: Request) -> KeyList:
-    await _team_or_404(request, team_id)
-    return KeyList(data=[KeyOut.of(k) for k in await _call(request, _store(request).list_keys, team_id)])
+async def list_team_keys(team_id: TeamId, services: ServicesDep) -> KeyList:
+    await _team_or_404(services, team_id)
+    return KeyList(data=[KeyOut.of(k) for k in await _call(services.store.list_keys, team_id)])
 
 
 @router.post("/keys", status_code=201, summary="Create an admin key (no team; the secret is returned once)")
-async def create_admin_key(body: KeyCreate, request: Request) -> KeyCreated:
-    store = _store(request)
-    secret, key = await _call(request, store.create_key, None, body.name, is_admin=True, expires_at=body.expiry())
+async def create_admin_key(body: KeyCreate, services: ServicesDep) -> KeyCreated:
+    store = services.store
+    secret, key = await _call(store.create_key, None, body.name, is_admin=True, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
 
 @router.get("/keys", summary="List keys, of every team or of one")
 async def list_keys(
-    request: Request,
+    services: ServicesDep,
     team_id: str | None = Query(
         None, max_length=64, pattern=ID_PATTERN, description="Only this team's keys. " + ID_DOC
     ),
 ) -> KeyList:
-    return KeyList(data=[KeyOut.of(k) for k in await _call(request, _store(request).list_keys, team_id)])
+    return KeyList(data=[KeyOut.of(k) for k in await _call(services.store.list_keys, team_id)])
 
 
 @router.delete(
@@ -300,9 +298,9 @@ async def list_keys(
     summary="Revoke a key (takes effect within ~1 s on every replica)",
     responses={404: _err("No such key.")},
 )
-async def revoke_key(key_id: KeyId, request: Request) -> KeyOut:
-    key = await _call(request, _store(request).revoke_key, key_id)
-    _changed(request)
+async def revoke_key(key_id: KeyId, services: ServicesDep) -> KeyOut:
+    key = await _call(services.store.revoke_key, key_id)
+    _changed(services)
     return KeyOut.of(key)
 
 
@@ -311,7 +309,7 @@ async def revoke_key(key_id: KeyId, request: Request) -> KeyOut:
 
 @router.get("/usage", summary="Daily token usage per team and model")
 async def usage(
-    request: Request,
+    services: ServicesDep,
     team_id: str | None = Query(None, max_length=64, pattern=ID_PATTERN, description="Only this team. " + ID_DOC),
     since: date | None = Query(None, description="First UTC day, inclusive (YYYY-MM-DD)."),
     until: date | None = Query(None, description="Last UTC day, inclusive (YYYY-MM-DD)."),
@@ -319,8 +317,7 @@ async def usage(
     if since is not None and until is not None and since > until:
         raise APIError(400, f"Invalid 'until': {until} is before since={since}.", "invalid_value", param="until")
     rows = await _call(
-        request,
-        _store(request).usage,
+        services.store.usage,
         team_id,
         since.isoformat() if since else None,
         until.isoformat() if until else None,

@@ -21,7 +21,8 @@ from fastapi.responses import Response
 
 from gateway import relay
 from gateway.config import GatewayConfig
-from gateway.context import RequestContext
+from gateway.context import RequestContext, request_scope
+from gateway.disconnect import wait_disconnect
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.events import EventWriter
@@ -76,10 +77,10 @@ class Admission:
 
     async def handle(self, request: Request, principal, body: dict, kind: str) -> Response:
         ctx = self.new_context(request, principal, body, kind)
-        request.state.accounted = True  # finish() writes this request's event, whatever happens next
+        request_scope(request).accounted = True  # finish() writes this request's event, whatever happens next
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
         task = asyncio.current_task()
-        watch = asyncio.ensure_future(relay.wait_disconnect(request.receive))
+        watch = asyncio.ensure_future(wait_disconnect(request.receive))
         watch.add_done_callback(lambda t: ctx.watching and not t.cancelled() and task.cancel())
         handed_off = False
         try:
@@ -134,7 +135,7 @@ class Admission:
             priority = max(priority, asked)  # a request may lower its own priority, never raise it above its team's
         opts = body.get("stream_options") or {}
         return RequestContext(
-            request_id=request.state.request_id,
+            request_id=request_scope(request).request_id,
             kind=kind,
             body=body,
             team_id=team.id,

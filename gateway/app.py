@@ -13,7 +13,6 @@ import contextlib
 import socket
 import time
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -28,7 +27,7 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.body import validation_error
 from gateway.config import GatewayConfig
-from gateway.context import new_request_id
+from gateway.context import new_request_id, open_scope, request_scope
 from gateway.dispatch_queue import DispatchQueue
 from gateway.errors import APIError, api_error_handler, error_response
 from gateway.events import EventWriter, replay_after
@@ -37,11 +36,13 @@ from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
 from gateway.probes import router as probes_router
 from gateway.routes import router
+from gateway.services import Services, get_services
 from gateway.state import InMemoryState, StateUnavailable
 from gateway.state_redis import REDIS_ERRORS, RedisState
 from gateway.store import Store
 from gateway.upstream import Upstreams
 from gateway.usage import UsageRecorder
+from policies.budget import DAY, MONTH, day_key, period_start_day
 
 log = get_logger()
 
@@ -58,6 +59,8 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
     )
 
+    services = Services(config=config, upstreams=upstreams, metrics=metrics, state=state, queues=queues, events=events)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         own_store = store is None
@@ -67,12 +70,8 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         client = relay.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox)
-        app.state.store = st
-        app.state.authenticator = Authenticator(st, config.auth_cache_ttl_s)
-        app.state.usage = usage
-        app.state.http = client
-        app.state.outbox = outbox
-        app.state.admission = admission
+        services.store, services.authenticator = st, Authenticator(st, config.auth_cache_ttl_s)
+        services.usage, services.http, services.outbox, services.admission = usage, client, outbox, admission
         await replay_usage(st, usage, events, config)
         await events.start()
         if admission.local is not None:
@@ -107,12 +106,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             log.info("gateway_stopped")
 
     app = FastAPI(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
-    app.state.config = config
-    app.state.upstreams = upstreams
-    app.state.metrics = metrics
-    app.state.state_backend = state
-    app.state.queues = queues
-    app.state.events = events
+    app.state.services = services  # read through gateway.services.get_services only
     app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)
@@ -148,7 +142,7 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
         if e.get("route") and e.get("team"):
             model = e.get("served_model") or e.get("model")
             prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
-            day = datetime.fromtimestamp(e["ts"], UTC).strftime("%Y-%m-%d")
+            day = day_key(e["ts"])
             usage.add(e["team"], model, prompt, completion, e.get("cached_tokens") or 0, day=day, seq=e["seq"])
             replayed += 1
     events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last
@@ -174,8 +168,8 @@ async def seed_until_ready(store: Store, state, admission: Admission) -> None:
 
 async def seed_budgets(store: Store, state) -> None:
     """Spend already recorded this UTC day / month, so a restart does not hand out fresh budgets."""
-    now = datetime.now(UTC)
-    day, month = now.strftime("%Y-%m-%d"), now.strftime("%Y-%m-01")
+    now = time.time()
+    day, month = period_start_day(DAY, now), period_start_day(MONTH, now)
 
     def read() -> list[tuple[str, int, int]]:
         return [(t.id, store.spent_tokens(t.id, day), store.spent_tokens(t.id, month)) for t in store.list_teams()]
@@ -197,8 +191,8 @@ async def _api_error_handler(request: Request, err: APIError):
 
 def record_unadmitted(request: Request, err: APIError) -> None:
     """Every inference request ends as one JSONL event: those refused before admission got none from finish()."""
-    if request.url.path in INFERENCE_PATHS and not getattr(request.state, "accounted", False):
-        admission = getattr(request.app.state, "admission", None)
+    if request.url.path in INFERENCE_PATHS and not request_scope(request).accounted:
+        admission = get_services(request).admission
         if admission is not None:
             admission.record_unadmitted(request, err)
 
@@ -234,8 +228,7 @@ class RequestMiddleware:
             elif k == b"content-length":
                 length = int(v) if v.isdigit() else None
         request_id = new_request_id(client_id)
-        state = scope.setdefault("state", {})
-        state["request_id"], state["t0"] = request_id, time.perf_counter()
+        open_scope(scope, request_id)
         rid_header = (b"x-request-id", request_id.encode())
         started = False
         bind_request(request_id=request_id)

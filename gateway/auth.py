@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from gateway import keys
+from gateway.context import request_scope
 from gateway.errors import APIError
+from gateway.services import ServicesDep
 from gateway.store import ApiKey, Store, Team
 from gateway.store_db import DB_ERRORS
 
@@ -129,15 +131,15 @@ def bearer_secret(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-async def require_key(request: Request) -> Principal:
-    """FastAPI dependency: any valid key. Also leaves the principal on request.state for logging."""
-    principal = await request.app.state.authenticator.authenticate(bearer_secret(request))
-    request.state.principal = principal
+async def require_key(request: Request, services: ServicesDep) -> Principal:
+    """FastAPI dependency: any valid key. Also noted in the request's scope, for the event of a request refused
+    after auth but before admission."""
+    principal = await services.authenticator.authenticate(bearer_secret(request))
+    request_scope(request).principal = principal
     return principal
 
 
-async def require_admin(request: Request) -> Principal:
-    principal = await require_key(request)
+async def require_admin(principal: Principal = Depends(require_key)) -> Principal:
     if not principal.key.is_admin:
         raise APIError(403, "This endpoint needs an admin API key.", "admin_required")
     return principal

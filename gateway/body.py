@@ -14,6 +14,7 @@ import orjson
 from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
 
+from gateway.context import request_scope
 from gateway.errors import APIError
 from gateway.openai_schema import MESSAGE_ROLES
 
@@ -27,7 +28,7 @@ MAX_DEPTH = 64
 async def parse_body(request: Request, schema: TypeAdapter) -> dict:
     raw = await request.body()
     data = orjson_body(raw)
-    request.state.model = data.get("model")  # for the event of a request refused before admission
+    request_scope(request).model = data.get("model")  # for the event of a request refused before admission
     return check_body(data, raw, schema)
 
 

@@ -1,21 +1,60 @@
-"""One request's record as it moves through the gateway (`RequestContext`), created once by admission and
-passed down to dispatch and settle: what it asked for, what it was granted, where it went, and what its event says.
+"""One request's records as it moves through the gateway.
+
+`RequestScope` is what is known before admission (its id, arrival time, who called, which model it named): created
+once by the middleware, filled in by auth and body parsing, read by the event of a request refused before admission.
+`RequestContext`, created once by admission and passed down to dispatch and settle, is what it asked for, what it
+was granted, where it went, and what its event says.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policies.limits import TeamLimits
 
 if TYPE_CHECKING:
+    from starlette.requests import HTTPConnection
+
+    from gateway.auth import Principal
     from gateway.relay import ChunkFilter, SSEStream
     from gateway.upstream import Hop
 
 # Client strings copied into events, logs and metric labels are cut to this many characters.
 MAX_CLIENT_STRING = 256
+
+
+# Where the ASGI scope carries the request's RequestScope (a key of our own, not request.state's free-for-all).
+_SCOPE_KEY = "tokenweir.request"
+
+
+@dataclass(slots=True, eq=False)
+class RequestScope:
+    """What the gateway knows of a request before admission; its event, should it be refused before, says this."""
+
+    request_id: str
+    t0: float  # time.perf_counter() at arrival
+    principal: Principal | None = None  # set by auth.require_key
+    model: object = None  # the body's "model" as sent (maybe not a string): set by body.parse_body
+    accounted: bool = False  # admission took the request: settle writes its event, not the refusal path
+
+
+def open_scope(asgi_scope: MutableMapping[str, Any], request_id: str) -> RequestScope:
+    """The middleware's one call per request: the record every later step reaches through `request_scope`."""
+    record = asgi_scope[_SCOPE_KEY] = RequestScope(request_id, time.perf_counter())
+    return record
+
+
+def request_scope(conn: HTTPConnection) -> RequestScope:
+    """The request's RequestScope. An app without the middleware (a router mounted alone in a test) gets one made
+    here, on first use."""
+    record = conn.scope.get(_SCOPE_KEY)
+    if record is None:
+        record = open_scope(conn.scope, new_request_id(None))
+    return record
 
 
 @dataclass(eq=False)
@@ -48,6 +87,7 @@ class RequestContext:
     # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
     upstream_id: str = ""
     route: list[str] = field(default_factory=list)
+    route_reason: dict | None = None  # why the first hop (policies/routing.py RouteReason.as_dict): for the event
     dispatched_at: float | None = None
     upstream_end: float | None = None
     ttft_s: float | None = None

@@ -1,4 +1,8 @@
-"""OpenAI-shaped errors: every failure a client sees is `{"error": {message, type, param, code}}`."""
+"""OpenAI-shaped errors: every failure a client sees is `{"error": {message, type, param, code}}`.
+
+The engine's API answers with this same `APIError` (engine/api/errors.py imports it): this module needs neither torch
+nor anything else of the gateway, so both halves share one error shape.
+"""
 
 from __future__ import annotations
 
@@ -23,15 +27,15 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    """Raised anywhere in the gateway; rendered by `api_error_handler` as an OpenAI error body."""
+    """Raised anywhere in the gateway or the engine's API; rendered as an OpenAI error body."""
 
     def __init__(
         self,
         status: int,
         message: str,
         code: str | None = None,
-        *,
         param: str | None = None,
+        *,
         type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -46,9 +50,12 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return err.response()
 
 
 async def api_error_handler(_request: Request, err: APIError) -> JSONResponse:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, error_response
+from gateway.services import ServicesDep
 from gateway.state import StateUnavailable
 from gateway.store_db import DB_ERRORS
 
@@ -32,17 +33,16 @@ async def livez() -> JSONResponse:
 
 @router.get("/health")
 @router.get("/readyz", include_in_schema=False)
-async def health(request: Request) -> JSONResponse:
-    app = request.app.state
+async def health(services: ServicesDep) -> JSONResponse:
     checks: dict[str, str] = {}
-    admission = getattr(app, "admission", None)
+    admission = services.admission  # None until the lifespan has started
     try:
         async with asyncio.timeout(_CHECK_TIMEOUT_S):
-            await app.state_backend.ping()
+            await services.state.ping()
         checks["state"] = "ok" if admission is None or admission.state_ready else "starting"
     except (StateUnavailable, TimeoutError):
         checks["state"] = "down"
-    store = getattr(app, "store", None)
+    store = services.store
     if store is not None:
         try:
             async with asyncio.timeout(_CHECK_TIMEOUT_S):
@@ -51,7 +51,7 @@ async def health(request: Request) -> JSONResponse:
         except (*DB_ERRORS, TimeoutError):
             checks["store"] = "down"
     pools = {}
-    for name, pool in app.upstreams.pools.items():
+    for name, pool in services.upstreams.pools.items():
         pools[name] = [
             {"instance": i.name, "circuit": "open" if i.opened_at is not None else "closed", "in_flight": i.in_flight}
             for i in pool.instances
@@ -67,22 +67,22 @@ async def health(request: Request) -> JSONResponse:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    state, m = request.app.state, request.app.state.metrics
-    token = state.config.metrics_token
+async def metrics(request: Request, services: ServicesDep) -> Response:
+    m = services.metrics
+    token = services.config.metrics_token
     if token:
         header = request.headers.get("authorization", "")
         if not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
             return error_response(
                 APIError(401, "Metrics need 'Authorization: Bearer <metrics_token>'.", "invalid_metrics_token")
             )
-    admission = getattr(state, "admission", None)  # absent until the lifespan has started
+    admission = services.admission  # None until the lifespan has started
     teams = sorted(admission.seen_teams)[:MAX_TEAM_SERIES] if admission is not None else []
     for team_id in teams:
         try:
-            m.refresh_team(team_id, await state.state_backend.read_snapshot(team_id))
+            m.refresh_team(team_id, await services.state.read_snapshot(team_id))
         except StateUnavailable:
             break  # the state is away: the gauges keep their last values; /health says why
-    for model, queue in state.queues.items():
+    for model, queue in services.queues.items():
         m.queue_depth.labels(model).set(queue.stats()["queued"])
     return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

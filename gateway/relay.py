@@ -14,6 +14,7 @@ import contextlib
 import orjson
 from starlette.responses import Response
 
+from gateway.disconnect import wait_disconnect
 from gateway.http1 import HTTP1Pool, HTTPError
 from gateway.http1 import Response as UpstreamResponse
 from gateway.upstream import Hop
@@ -292,9 +293,3 @@ async def wait_background(timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0)  # handlers cancelled just now reach their `finally` and start settling
     if _background:
         await asyncio.wait(set(_background), timeout=timeout_s)
-
-
-async def wait_disconnect(receive) -> None:
-    """Return when the client has gone (the ASGI receive channel says http.disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -18,6 +18,7 @@ from gateway.admin_models import ErrorBody
 from gateway.auth import Principal, require_key
 from gateway.body import parse_body
 from gateway.openai_schema import CHAT, COMPLETION
+from gateway.services import ServicesDep
 
 router = APIRouter()
 
@@ -116,15 +117,17 @@ def _inference_doc(schema: TypeAdapter, answer: type[BaseModel]) -> dict:
 
 
 @router.post("/v1/chat/completions", summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))
-async def chat_completions(request: Request, principal: Principal = Depends(require_key)) -> Response:
+async def chat_completions(
+    request: Request, services: ServicesDep, principal: Principal = Depends(require_key)
+) -> Response:
     body = await parse_body(request, CHAT)
-    return await request.app.state.admission.handle(request, principal, body, "chat")
+    return await services.admission.handle(request, principal, body, "chat")
 
 
 @router.post("/v1/completions", summary="Create a text completion", **_inference_doc(COMPLETION, TextCompletion))
-async def completions(request: Request, principal: Principal = Depends(require_key)) -> Response:
+async def completions(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
     body = await parse_body(request, COMPLETION)
-    return await request.app.state.admission.handle(request, principal, body, "completions")
+    return await services.admission.handle(request, principal, body, "completions")
 
 
 @router.get(
@@ -132,11 +135,11 @@ async def completions(request: Request, principal: Principal = Depends(require_k
     summary="List the models this key's team may use",
     responses={200: {"model": ModelList, "description": "The models."}, 401: _ERRORS[401], 403: _ERRORS[403]},
 )
-async def list_models(request: Request, principal: Principal = Depends(require_key)) -> JSONResponse:
+async def list_models(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
     limits = principal.team.limits if principal.team is not None else None
     models = [
         {"id": name, "object": "model", "created": 0, "owned_by": "tokenweir"}
-        for name in request.app.state.upstreams.pools
+        for name in services.upstreams.pools
         if limits is not None and limits.allows_model(name)
     ]
     return JSONResponse({"object": "list", "data": models})

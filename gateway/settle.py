@@ -16,7 +16,7 @@ from collections.abc import Callable
 from fastapi import Request
 
 from gateway import relay
-from gateway.context import RequestContext, clip
+from gateway.context import RequestContext, clip, request_scope
 from gateway.errors import APIError
 from gateway.events import EventWriter
 from gateway.http1 import HTTP1Pool
@@ -51,11 +51,12 @@ class Settler:
 
     def record_unadmitted(self, request: Request, err: APIError) -> None:
         """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
-        principal = getattr(request.state, "principal", None)
+        scope = request_scope(request)
+        principal = scope.principal
         team = principal.team if principal is not None else None
-        model = getattr(request.state, "model", None)
+        model = scope.model
         ctx = RequestContext(
-            request_id=request.state.request_id,
+            request_id=scope.request_id,
             kind="chat" if request.url.path.endswith("/chat/completions") else "completions",
             body={},
             team_id=team.id if team is not None else None,
@@ -63,7 +64,7 @@ class Settler:
             limits=team.limits if team is not None else None,
             model=model if isinstance(model, str) else None,
             stream=False,
-            t0=getattr(request.state, "t0", None) or time.perf_counter(),
+            t0=scope.t0,
             deadline_base=0.0,
             priority=team.limits.priority if team is not None else 0,
             status="cancelled" if err.code == "client_disconnected" else "rejected",

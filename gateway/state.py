@@ -17,7 +17,7 @@ from policies.decisions import budget_rejection, rate_rejection
 from policies.limits import TeamLimits
 from policies.rate import SlidingWindow
 from policies.reservation import Reservation
-from policies.retry import reset_header
+from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, team_snapshot
 
 
 class StateBackend(Protocol):
@@ -182,22 +182,18 @@ class InMemoryState:
         """Live counters for the admin API and metrics (a team never seen reads as all zeros)."""
         now = self._clock() if now is None else now
         team = self._teams.get(team_id) or _Team()
-        return {
-            "team_id": team_id,
-            "in_flight": team.in_flight,
-            "reserved_tokens": team.reserved_tokens,
-            "open_reservations": team.open_reservations,
-            "requests_last_minute": team.rpm.used(now) if team.rpm else None,
-            "tokens_last_minute": team.tpm.used(now) if team.tpm else None,
-            "remaining_requests": team.rpm.remaining(now) if team.rpm else None,
-            "remaining_tokens": team.tpm.remaining(now) if team.tpm else None,
-            "day": _budget_view(team.day, now),
-            "month": _budget_view(team.month, now),
-            "spent_today": team.day.spent,
-            "spent_month": team.month.spent,
-            "remaining_day": team.day.remaining(now),
-            "remaining_month": team.month.remaining(now),
-        }
+        return team_snapshot(
+            team_id,
+            in_flight=team.in_flight,
+            reserved_tokens=team.reserved_tokens,
+            open_reservations=team.open_reservations,
+            requests_last_minute=team.rpm.used(now) if team.rpm else None,
+            tokens_last_minute=team.tpm.used(now) if team.tpm else None,
+            remaining_requests=team.rpm.remaining(now) if team.rpm else None,
+            remaining_tokens=team.tpm.remaining(now) if team.tpm else None,
+            day=_budget_view(team.day, now),
+            month=_budget_view(team.month, now),
+        )
 
     async def read_snapshot(self, team_id: str) -> dict:
         """`snapshot` for async callers (the Redis backend reads over the network)."""
@@ -209,26 +205,14 @@ class InMemoryState:
 
 def _budget_view(budget: Budget, now: float) -> dict:
     budget.roll(now)
-    return {
-        "period": budget.key,
-        "limit": budget.limit,
-        "spent": budget.spent,
-        "reserved": budget.reserved,
-        "remaining": budget.remaining(now),
-        "overshoot": budget.overshoot,
-        "resets_in_s": round(seconds_until_reset(budget.period, now), 3),
-    }
+    return budget_view(budget.period, budget.key, budget.limit, budget.spent, budget.reserved, budget.overshoot, now)
+
+
+def _window(window: SlidingWindow | None, now: float) -> WindowHeaders | None:
+    if window is None:
+        return None
+    return WindowHeaders(window.limit, window.remaining(now), window.reset_s(now))
 
 
 def _headers(team: _Team, now: float) -> dict[str, str]:
-    """OpenAI's x-ratelimit-* headers for the limits that exist (an unlimited dimension has none)."""
-    headers = {}
-    if team.rpm is not None:
-        headers["x-ratelimit-limit-requests"] = str(team.rpm.limit)
-        headers["x-ratelimit-remaining-requests"] = str(team.rpm.remaining(now))
-        headers["x-ratelimit-reset-requests"] = reset_header(team.rpm.reset_s(now))
-    if team.tpm is not None:
-        headers["x-ratelimit-limit-tokens"] = str(team.tpm.limit)
-        headers["x-ratelimit-remaining-tokens"] = str(team.tpm.remaining(now))
-        headers["x-ratelimit-reset-tokens"] = reset_header(team.tpm.reset_s(now))
-    return headers
+    return ratelimit_headers(_window(team.rpm, now), _window(team.tpm, now))

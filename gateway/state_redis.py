@@ -41,8 +41,9 @@ from gateway.state_redis_lua import (
 from policies.budget import DAY, MONTH, day_key, month_key, period_bounds, seconds_until_reset
 from policies.decisions import budget_rejection, rate_rejection
 from policies.limits import TeamLimits
+from policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
 from policies.reservation import Reservation
-from policies.retry import reset_header
+from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, remaining, team_snapshot
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
@@ -50,8 +51,6 @@ from policies.retry import reset_header
 # closed=True>"), not an OSError.
 REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
 
-WINDOW_S = 60.0
-SLOTS = 60
 _NONE = -1  # "unlimited" on the wire
 
 
@@ -299,49 +298,33 @@ class RedisState:
 
     def _snapshot_view(self, team_id: str, now: float, results: list) -> dict:
         _, _, d, m, _, _ = self._period_keys(team_id, now)
-        oldest = math.floor(now / (WINDOW_S / SLOTS)) - SLOTS
+        oldest = oldest_counted_slot(now, WINDOW_S / SLOTS, SLOTS)
         rpm, tpm, day, month, meta, in_flight, holds = results
 
         def used(window: dict) -> int:
             return sum(int(c) for s, c in window.items() if int(s) >= oldest)
 
-        def period(h: dict, key: str, period_name: str) -> dict:
-            return {
-                "period": key,
-                "spent": int(h.get("spent", 0)),
-                "reserved": int(h.get("reserved", 0)),
-                "overshoot": int(h.get("overshoot", 0)),
-                "resets_in_s": round(seconds_until_reset(period_name, now), 3),
-            }
-
         def limit(name: str) -> int | None:
             value = int(meta.get(name, _NONE))
             return None if value == _NONE else value
 
-        def left(lim: int | None, taken: int) -> int | None:
-            return None if lim is None else max(0, lim - taken)
+        def period(h: dict, period_name: str, key: str, limit_name: str) -> dict:
+            spent, reserved, over = (int(h.get(k, 0)) for k in ("spent", "reserved", "overshoot"))
+            return budget_view(period_name, key, limit(limit_name), spent, reserved, over, now)
 
-        day_view, month_view = period(day, d, DAY), period(month, m, MONTH)
-        for view, name in ((day_view, "day_limit"), (month_view, "month_limit")):
-            view["limit"] = limit(name)
-            view["remaining"] = left(view["limit"], view["spent"] + view["reserved"])
         rpm_used, tpm_used = used(rpm), used(tpm)
-        return {
-            "team_id": team_id,
-            "in_flight": in_flight,
-            "reserved_tokens": int(meta.get("reserved", 0)),
-            "open_reservations": holds,
-            "requests_last_minute": rpm_used,
-            "tokens_last_minute": tpm_used,
-            "remaining_requests": left(limit("rpm"), rpm_used),
-            "remaining_tokens": left(limit("tpm"), tpm_used),
-            "day": day_view,
-            "month": month_view,
-            "spent_today": day_view["spent"],
-            "spent_month": month_view["spent"],
-            "remaining_day": day_view["remaining"],
-            "remaining_month": month_view["remaining"],
-        }
+        return team_snapshot(
+            team_id,
+            in_flight=in_flight,
+            reserved_tokens=int(meta.get("reserved", 0)),
+            open_reservations=holds,
+            requests_last_minute=rpm_used,
+            tokens_last_minute=tpm_used,
+            remaining_requests=remaining(limit("rpm"), rpm_used),
+            remaining_tokens=remaining(limit("tpm"), tpm_used),
+            day=period(day, DAY, d, "day_limit"),
+            month=period(month, MONTH, m, "month_limit"),
+        )
 
     async def close(self) -> None:
         if self._renewer is not None:
@@ -354,14 +337,7 @@ class RedisState:
 def _headers(limits: TeamLimits, rpm_used: int, tpm_used: int, now: float) -> dict[str, str]:
     """x-ratelimit-* as InMemoryState sends them; reset is when a slot taken now leaves the window."""
     slot_s = WINDOW_S / SLOTS
-    reset = reset_header((math.floor(now / slot_s) + SLOTS + 1) * slot_s - now)
-    headers = {}
-    if limits.rpm is not None:
-        headers["x-ratelimit-limit-requests"] = str(limits.rpm)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - rpm_used))
-        headers["x-ratelimit-reset-requests"] = reset
-    if limits.tpm is not None:
-        headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
-        headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - tpm_used))
-        headers["x-ratelimit-reset-tokens"] = reset
-    return headers
+    reset = slot_leaves_window_s(slot_index(now, slot_s), now, slot_s, SLOTS)
+    rpm = None if limits.rpm is None else WindowHeaders(limits.rpm, remaining(limits.rpm, rpm_used), reset)
+    tpm = None if limits.tpm is None else WindowHeaders(limits.tpm, remaining(limits.tpm, tpm_used), reset)
+    return ratelimit_headers(rpm, tpm)

@@ -33,7 +33,10 @@ from gateway.store_db import (
     parse_ts,
     sqlite_connect,
 )
+from gateway.store_usage import UsageQueries, UsageRow
 from policies.limits import TeamLimits
+
+__all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "UsageRow"]
 
 # team_limits columns, in TeamLimits order. A field added to TeamLimits needs a migration: the assert says so.
 LIMIT_COLUMNS = (
@@ -48,7 +51,6 @@ _TEAM_SELECT = (
     " FROM teams t LEFT JOIN team_limits l ON l.team_id = t.id"
 )
 _KEY_SELECT = "SELECT id, team_id, name, prefix, is_admin, created_at, expires_at, revoked_at FROM api_keys"
-_USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
 
 
 class StoreError(Exception):
@@ -90,18 +92,9 @@ class ApiKey:
         return self.expires_at is not None and parse_ts(self.expires_at) <= (now or datetime.now(UTC))
 
 
-@dataclass(frozen=True)
-class UsageRow:
-    team_id: str
-    day: str  # 'YYYY-MM-DD', UTC
-    model: str
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
+class Store(UsageQueries):
+    """Teams, limits and keys here; the usage rows' writes and reads come from `UsageQueries`."""
 
-
-class Store:
     def __init__(self, connect: Any, postgres: bool, pepper: bytes | None) -> None:
         self._connect = connect
         self.postgres = postgres
@@ -324,71 +317,6 @@ class Store:
                 raise NotFound("key", key_id)
             db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now_ts(), key_id))
         return self.get_key(key_id)
-
-    # --- usage ----------------------------------------
-
-    def record_usage(self, rows: list[UsageRow], watermark: tuple[str, int] | None = None) -> None:
-        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none.
-        `watermark` (writer, seq): the rows include every event of that writer up to seq, recorded atomically."""
-        if not rows and watermark is None:
-            return
-        with self._tx() as db:
-            if watermark is not None:
-                db.execute(
-                    "INSERT INTO usage_watermarks (writer, seq) VALUES (?, ?)"
-                    " ON CONFLICT (writer) DO UPDATE SET seq = excluded.seq"
-                    " WHERE excluded.seq > usage_watermarks.seq",
-                    watermark,
-                )
-            if not rows:
-                return
-            db.executemany(
-                f"INSERT INTO usage_daily ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (team_id, day, model) DO UPDATE SET"
-                " requests = usage_daily.requests + excluded.requests,"
-                " prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,"
-                " completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,"
-                " cached_tokens = usage_daily.cached_tokens + excluded.cached_tokens",
-                [
-                    (
-                        r.team_id,
-                        r.day,
-                        r.model,
-                        r.requests,
-                        r.prompt_tokens,
-                        r.completion_tokens,
-                        r.cached_tokens,
-                    )
-                    for r in rows
-                ],
-            )
-
-    def usage(self, team_id: str | None = None, since: str | None = None, until: str | None = None) -> list[UsageRow]:
-        """Daily rows, both day bounds inclusive ('YYYY-MM-DD')."""
-        where, params = [], []
-        for clause, value in (("team_id = ?", team_id), ("day >= ?", since), ("day <= ?", until)):
-            if value is not None:
-                where.append(clause)
-                params.append(value)
-        sql = f"SELECT {_USAGE_COLUMNS} FROM usage_daily"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        rows = self._read(sql + " ORDER BY day, team_id, model", params)
-        return [UsageRow(r[0], r[1], r[2], *(int(v) for v in r[3:])) for r in rows]
-
-    def usage_watermark(self, writer: str) -> int:
-        """The last event seq of `writer` whose usage is stored (0 if none)."""
-        rows = self._read("SELECT seq FROM usage_watermarks WHERE writer = ?", (writer,))
-        return int(rows[0][0]) if rows else 0
-
-    def spent_tokens(self, team_id: str, since_day: str) -> int:
-        """Prompt + completion tokens since a day (inclusive): seeds the day/month budgets at start."""
-        rows = self._read(
-            "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage_daily"
-            " WHERE team_id = ? AND day >= ?",
-            (team_id, since_day),
-        )
-        return int(rows[0][0])
 
 
 def _write_limits(db: Db, team_id: str, limits: TeamLimits) -> None:

@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import asdict
-from datetime import UTC, datetime
 
 from gateway.store import Store, UsageRow
+from policies.budget import day_key
 
 log = logging.getLogger("tokenweir.usage")
 
@@ -54,7 +55,7 @@ class UsageRecorder:
         # Checked here, at the caller, because a bad row would fail every later flush of the whole batch.
         assert isinstance(team_id, str) and team_id and isinstance(model, str) and model, "usage needs team and model"
         assert min(prompt_tokens, completion_tokens, cached_tokens, requests) >= 0, "usage is never negative"
-        day = day or datetime.now(UTC).strftime("%Y-%m-%d")
+        day = day or day_key(time.time())
         totals = self._pending.setdefault((team_id, day, model), [0, 0, 0, 0])
         totals[0] += requests
         totals[1] += prompt_tokens

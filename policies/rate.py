@@ -13,12 +13,35 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+# Every rate limit is per minute, counted in 1 s slots (the Redis backend's Lua uses the same layout).
+WINDOW_S = 60.0
+SLOTS = 60
+
+
+# The slot arithmetic, in one place for both backends: SlidingWindow below, and RedisState's snapshot and headers
+# (gateway/state_redis.py). The Lua scripts in gateway/state_redis_lua.py repeat it because they run inside Redis;
+# test_parity_with_in_memory_state (tests/gateway/test_state_redis.py) checks the two agree.
+
+
+def slot_index(now: float, slot_s: float) -> int:
+    return math.floor(now / slot_s)
+
+
+def oldest_counted_slot(now: float, slot_s: float, slots: int) -> int:
+    """Units in slots older than this have left the window."""
+    return slot_index(now, slot_s) - slots
+
+
+def slot_leaves_window_s(slot: int, now: float, slot_s: float, slots: int) -> float:
+    """Seconds until units taken in `slot` stop being counted (once the current slot index passes slot + slots)."""
+    return max(0.0, (slot + slots + 1) * slot_s - now)
+
 
 @dataclass
 class SlidingWindow:
     limit: int
-    window_s: float = 60.0
-    slots: int = 60
+    window_s: float = WINDOW_S
+    slots: int = SLOTS
     _counts: deque = field(default_factory=deque, repr=False)  # [slot_index, units], oldest first
     _used: int = field(default=0, repr=False)
 
@@ -30,10 +53,10 @@ class SlidingWindow:
         return self.window_s / self.slots
 
     def _slot(self, now: float) -> int:
-        return math.floor(now / self.slot_s)
+        return slot_index(now, self.slot_s)
 
     def _expire(self, now: float) -> None:
-        oldest_counted = self._slot(now) - self.slots
+        oldest_counted = oldest_counted_slot(now, self.slot_s, self.slots)
         while self._counts and self._counts[0][0] < oldest_counted:
             self._used -= self._counts.popleft()[1]
 
@@ -92,8 +115,7 @@ class SlidingWindow:
         for slot, units in self._counts:
             freed += units
             if used - freed + n <= self.limit:
-                # slot stops being counted once the current slot index exceeds slot + slots
-                return max(0.0, (slot + self.slots + 1) * self.slot_s - now)
+                return slot_leaves_window_s(slot, now, self.slot_s, self.slots)
         return self.window_s  # unreachable while the counters are consistent; a safe answer anyway
 
     def reset_s(self, now: float) -> float:
@@ -101,4 +123,4 @@ class SlidingWindow:
         self._expire(now)
         if not self._counts:
             return 0.0
-        return max(0.0, (self._counts[-1][0] + self.slots + 1) * self.slot_s - now)
+        return slot_leaves_window_s(self._counts[-1][0], now, self.slot_s, self.slots)

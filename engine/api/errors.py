@@ -1,7 +1,8 @@
 """Every error the engine's API answers, in OpenAI's shape: `{"error": {message, type, param, code}}`.
 
-`APIError` is the one error type the API layer raises; `to_api_error` maps the engine's own exceptions onto it, so a
-JSON response (one exception handler per type) and an error event inside an SSE stream say the same thing.
+`APIError` is the one error type the API layer raises, the gateway's own (gateway/errors.py: torch-free, so both halves
+share it); `to_api_error` maps the engine's own exceptions onto it, so a JSON response (one exception handler per type)
+and an error event inside an SSE stream say the same thing.
 Bad input is always a 4xx naming the field, never a 500; a 500 means the engine itself failed.
 """
 
@@ -17,22 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import RequestError
+from gateway.errors import APIError
+
+__all__ = ["APIError", "add_error_handlers", "describe_validation_error", "to_api_error"]
 
 log = logging.getLogger("tokenweir.engine.server")
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
 
 
 def to_api_error(exc: Exception) -> APIError:

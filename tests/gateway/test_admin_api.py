@@ -13,6 +13,7 @@ from gateway.admin import router
 from gateway.auth import Authenticator, Principal, require_key
 from gateway.bootstrap import ensure_bootstrap
 from gateway.errors import APIError, api_error_handler
+from gateway.services import Services
 from gateway.state import InMemoryState
 from gateway.store import Store, UsageRow
 from policies.limits import TeamLimits
@@ -22,9 +23,7 @@ def make_app(store: Store) -> FastAPI:
     app = FastAPI()
     app.add_exception_handler(APIError, api_error_handler)
     app.include_router(router)
-    app.state.store = store
-    app.state.authenticator = Authenticator(store)
-    app.state.state_backend = InMemoryState()
+    app.state.services = Services(store=store, authenticator=Authenticator(store), state=InMemoryState())
 
     @app.get("/whoami")
     async def whoami(principal: Principal = Depends(require_key)):
@@ -333,7 +332,7 @@ async def test_team_state_live_and_stored(env, store):
     if today.day > 1:  # earlier this month: counts for the month, not for today
         store.record_usage([UsageRow(team["id"], today.replace(day=1).isoformat(), "m", 1, 1000, 0, 0)])
     month_extra = 1000 if today.day > 1 else 0
-    await app.state.state_backend.reserve(team["id"], TeamLimits(**limits), 40, 60)
+    await app.state.services.state.reserve(team["id"], TeamLimits(**limits), 40, 60)
 
     state = (await client.get(f"/admin/teams/{team['id']}/state")).json()
     assert state["stored"]["spent_today"] == 300 and state["stored"]["remaining_day"] == 700
@@ -342,7 +341,7 @@ async def test_team_state_live_and_stored(env, store):
     assert state["live"]["reserved_tokens"] == 100 and state["live"]["team_id"] == team["id"]
     assert state["limits"]["tokens_per_day"] == 1000
 
-    del app.state.state_backend  # an app without a state backend still answers, with live = null
+    app.state.services.state = None  # an app without a state backend still answers, with live = null
     state = (await client.get(f"/admin/teams/{team['id']}/state")).json()
     assert state["live"] is None and state["stored"]["remaining_day"] == 700
     assert_error(await client.get("/admin/teams/team_nope/state"), 404, "team_not_found", "team_id")

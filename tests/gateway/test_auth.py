@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI
 
 from gateway.auth import Authenticator, Principal, require_admin, require_key
 from gateway.errors import APIError, api_error_handler
+from gateway.services import Services
 from gateway.store import Store
 from policies.limits import TeamLimits
 
@@ -173,7 +174,7 @@ async def test_fastapi_dependencies(store):
     admin_secret, _ = store.create_key(None, "root", is_admin=True)
     app = FastAPI()
     app.add_exception_handler(APIError, api_error_handler)
-    app.state.authenticator = Authenticator(store)
+    app.state.services = Services(authenticator=Authenticator(store))
 
     @app.get("/me")
     async def me(principal: Principal = Depends(require_key)):

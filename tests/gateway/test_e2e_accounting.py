@@ -73,11 +73,11 @@ def assert_exact(stack, events, stored):
 
 def assert_no_leaks(stack, team_id: str):
     app = stack["app"]
-    snap = app.state.state_backend.snapshot(team_id)
+    snap = app.state.services.state.snapshot(team_id)
     assert snap["in_flight"] == 0 and snap["reserved_tokens"] == 0 and snap["open_reservations"] == 0, snap
-    q = app.state.queues[MODEL].stats()
+    q = app.state.services.queues[MODEL].stats()
     assert q["in_use"] == 0 and q["queued"] == 0, q
-    assert all(i.in_flight == 0 for i in app.state.upstreams.pools[MODEL].instances)
+    assert all(i.in_flight == 0 for i in app.state.services.upstreams.pools[MODEL].instances)
 
 
 async def test_overspend_200_concurrent_admits_at_most_what_the_budget_allows(stack):
@@ -105,7 +105,7 @@ async def test_overspend_200_concurrent_admits_at_most_what_the_budget_allows(st
     assert len(events) == 200 and len({e["request_id"] for e in events}) == 200
     assert stored == (n_fit * len(PROMPT), n_fit * 10)
     assert_exact(stack, events, stored)
-    assert stack["app"].state.state_backend.snapshot(team.id)["spent_today"] <= per_request * n_fit + per_request
+    assert stack["app"].state.services.state.snapshot(team.id)["spent_today"] <= per_request * n_fit + per_request
     assert_no_leaks(stack, team.id)
 
 

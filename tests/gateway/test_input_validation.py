@@ -18,6 +18,7 @@ from gateway import body as body_parsing
 from gateway.admin import router as admin_router
 from gateway.auth import Authenticator
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from gateway.services import Services
 from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream, ServerThread, serve_app
 from policies.limits import TeamLimits
@@ -368,7 +369,7 @@ def test_limits_stored_past_the_bounds_still_read_back(stack, tmp_path):
         team = store.create_team("old", TeamLimits(rpm=10**12, max_concurrency=2**31 - 1, queue_timeout_s=1e7))
         app = FastAPI()
         app.include_router(admin_router)
-        app.state.store, app.state.authenticator = store, Authenticator(store)
+        app.state.services = Services(store=store, authenticator=Authenticator(store))
         secret, _ = store.create_key(None, "admin", is_admin=True)
         with TestClient(app, headers={"authorization": f"Bearer {secret}"}) as client:
             assert client.get(f"/admin/teams/{team.id}/limits").json()["rpm"] == 10**12

@@ -75,13 +75,13 @@ def test_fail_open_admits_under_local_limits_and_keeps_the_spend_for_the_shared_
                 assert r.status_code == 200, r.text
             health = httpx.get(gw.url + "/health", timeout=10).json()
             assert health["status"] == "degraded" and health["checks"]["state"] == "down"
-            pending = list(gw.app.state.outbox._pending.values())
+            pending = list(gw.app.state.services.outbox._pending.values())
             spend = [op for op in pending if op["res_id"].startswith("local-")]
             assert len(spend) == 3, "each request's spend waits for the shared state"
             assert sum(op["tokens"] for op in spend) == sum(fake.totals())
             undo = [op for op in pending if op not in spend]
             assert len(undo) == 3 and {op["tokens"] for op in undo} == {0}, "failed reserves are undone later"
-            local = gw.app.state.admission.local.snapshot(team_id)
+            local = gw.app.state.services.admission.local.snapshot(team_id)
             assert local["in_flight"] == 0 and local["spent_today"] == sum(fake.totals())
     outbox_file = tmp_path / "events.outbox.jsonl"
     assert len(outbox_file.read_bytes().splitlines()) == 6, "undelivered changes stay on disk for the next start"
@@ -201,7 +201,7 @@ def test_an_event_that_cannot_be_written_still_bills_the_request(tmp_path):
     team_id, auth = make_team(store)
     fake = FakeUpstream(model=MODEL)
     with ServerThread(fake) as up, serve_app(gateway(tmp_path, up.url), store=store) as gw:
-        events = gw.app.state.events
+        events = gw.app.state.services.events
 
         def disk_full(event: dict) -> int:
             raise OSError(28, "No space left on device")

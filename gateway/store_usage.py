@@ -1,0 +1,89 @@
+"""Daily usage rows in the store: the batched writes of `UsageRecorder` (with its event watermark), the admin
+API's reads, and the spend that seeds the day / month budgets at start.
+
+A mixin of `Store` (gateway/store.py), which supplies the transaction and read helpers it runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    team_id: str
+    day: str  # 'YYYY-MM-DD', UTC
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class UsageQueries:
+    """The usage half of `Store`: needs `_tx()` (one transaction) and `_read(sql, params)` from it."""
+
+    def record_usage(self, rows: list[UsageRow], watermark: tuple[str, int] | None = None) -> None:
+        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none.
+        `watermark` (writer, seq): the rows include every event of that writer up to seq, recorded atomically."""
+        if not rows and watermark is None:
+            return
+        with self._tx() as db:
+            if watermark is not None:
+                db.execute(
+                    "INSERT INTO usage_watermarks (writer, seq) VALUES (?, ?)"
+                    " ON CONFLICT (writer) DO UPDATE SET seq = excluded.seq"
+                    " WHERE excluded.seq > usage_watermarks.seq",
+                    watermark,
+                )
+            if not rows:
+                return
+            db.executemany(
+                f"INSERT INTO usage_daily ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (team_id, day, model) DO UPDATE SET"
+                " requests = usage_daily.requests + excluded.requests,"
+                " prompt_tokens = usage_daily.prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = usage_daily.completion_tokens + excluded.completion_tokens,"
+                " cached_tokens = usage_daily.cached_tokens + excluded.cached_tokens",
+                [
+                    (
+                        r.team_id,
+                        r.day,
+                        r.model,
+                        r.requests,
+                        r.prompt_tokens,
+                        r.completion_tokens,
+                        r.cached_tokens,
+                    )
+                    for r in rows
+                ],
+            )
+
+    def usage(self, team_id: str | None = None, since: str | None = None, until: str | None = None) -> list[UsageRow]:
+        """Daily rows, both day bounds inclusive ('YYYY-MM-DD')."""
+        where, params = [], []
+        for clause, value in (("team_id = ?", team_id), ("day >= ?", since), ("day <= ?", until)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = f"SELECT {_USAGE_COLUMNS} FROM usage_daily"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._read(sql + " ORDER BY day, team_id, model", params)
+        return [UsageRow(r[0], r[1], r[2], *(int(v) for v in r[3:])) for r in rows]
+
+    def usage_watermark(self, writer: str) -> int:
+        """The last event seq of `writer` whose usage is stored (0 if none)."""
+        rows = self._read("SELECT seq FROM usage_watermarks WHERE writer = ?", (writer,))
+        return int(rows[0][0]) if rows else 0
+
+    def spent_tokens(self, team_id: str, since_day: str) -> int:
+        """Prompt + completion tokens since a day (inclusive): seeds the day/month budgets at start."""
+        rows = self._read(
+            "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage_daily"
+            " WHERE team_id = ? AND day >= ?",
+            (team_id, since_day),
+        )
+        return int(rows[0][0])

@@ -1,0 +1,83 @@
+"""What a team's live limits state looks like from outside: the `x-ratelimit-*` headers of an admitted or refused
+request, and the snapshot the admin API and /metrics read. Both state backends (gateway/state.py,
+gateway/state_redis.py) gather their own numbers and build these views here, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.budget import seconds_until_reset
+from policies.retry import reset_header
+
+
+@dataclass(slots=True, frozen=True)
+class WindowHeaders:
+    """One rate window as its headers report it."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+def ratelimit_headers(requests: WindowHeaders | None, tokens: WindowHeaders | None) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for the limits that exist (an unlimited dimension has none)."""
+    headers = {}
+    for name, window in (("requests", requests), ("tokens", tokens)):
+        if window is not None:
+            headers[f"x-ratelimit-limit-{name}"] = str(window.limit)
+            headers[f"x-ratelimit-remaining-{name}"] = str(window.remaining)
+            headers[f"x-ratelimit-reset-{name}"] = reset_header(window.reset_s)
+    return headers
+
+
+def remaining(limit: int | None, taken: int) -> int | None:
+    """What is left under `limit` (None: unlimited), never below zero."""
+    return None if limit is None else max(0, limit - taken)
+
+
+def budget_view(
+    period: str, key: str, limit: int | None, spent: int, reserved: int, overshoot: int, now: float
+) -> dict:
+    """One budget period (`period` DAY or MONTH, `key` its 'YYYY-MM-DD' / 'YYYY-MM') as the snapshot shows it."""
+    return {
+        "period": key,
+        "limit": limit,
+        "spent": spent,
+        "reserved": reserved,
+        "remaining": remaining(limit, spent + reserved),
+        "overshoot": overshoot,
+        "resets_in_s": round(seconds_until_reset(period, now), 3),
+    }
+
+
+def team_snapshot(
+    team_id: str,
+    *,
+    in_flight: int,
+    reserved_tokens: int,
+    open_reservations: int,
+    requests_last_minute: int | None,
+    tokens_last_minute: int | None,
+    remaining_requests: int | None,
+    remaining_tokens: int | None,
+    day: dict,
+    month: dict,
+) -> dict:
+    """A team's live counters (`day` / `month` from `budget_view`)."""
+    return {
+        "team_id": team_id,
+        "in_flight": in_flight,
+        "reserved_tokens": reserved_tokens,
+        "open_reservations": open_reservations,
+        "requests_last_minute": requests_last_minute,
+        "tokens_last_minute": tokens_last_minute,
+        "remaining_requests": remaining_requests,
+        "remaining_tokens": remaining_tokens,
+        "day": day,
+        "month": month,
+        "spent_today": day["spent"],
+        "spent_month": month["spent"],
+        "remaining_day": day["remaining"],
+        "remaining_month": month["remaining"],
+    }
