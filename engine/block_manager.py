@@ -1,9 +1,10 @@
 """Paged KV-cache bookkeeping: a fixed pool of blocks, per-sequence block tables, ref counts, and a prefix cache.
 
-Prefix cache: every full block is keyed by hash(parent_hash, its tokens), so a key names the whole prefix up to and
-including that block. A hit is confirmed by comparing tokens (a hash collision must never serve wrong K/V). Blocks whose
-ref count drops to zero stay in the cache but sit on the free list in LRU order, so they are reused by new requests
-until the space is needed, then evicted oldest first.
+Prefix cache: every full block is keyed by chain(parent_hash, its tokens) (policies/prefix_hash.py: the gateway's
+router computes the same chain), so a key names the whole prefix up to and including that block. A hit is confirmed
+by comparing tokens (a hash collision must never serve wrong K/V). Blocks whose ref count drops to zero stay in the
+cache but sit on the free list in LRU order, so they are reused by new requests until the space is needed, then
+evicted oldest first. Evictions go to `log` (engine/stats.py PrefixCacheLog), which GET /load serves to routers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.sequence import Sequence
+from engine.stats import PrefixCacheLog
+from policies.prefix_hash import chain
 
 
 class Block:
@@ -33,6 +36,7 @@ class BlockManager:
         self.cached_blocks: dict[int, int] = {}  # prefix hash -> block id
         self.prefix_cache_queries = 0  # prompt tokens looked up, once per request (see record_prefix_query)
         self.prefix_cache_hits = 0  # of those, tokens found
+        self.log = PrefixCacheLog()  # cached-block count and evicted hashes, for GET /load (thread-safe)
 
     @property
     def num_blocks(self) -> int:
@@ -63,7 +67,7 @@ class BlockManager:
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+            h = chain(parent, tokens)
             block_id = self.cached_blocks.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -108,6 +112,7 @@ class BlockManager:
         assert block.ref_count == 0
         if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
             del self.cached_blocks[block.hash]  # evict the least recently used cached prefix
+            self.log.evicted(block.hash)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -120,10 +125,12 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+            h = chain(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
-            self.cached_blocks.setdefault(h, block.block_id)
+            if h not in self.cached_blocks:
+                self.cached_blocks[h] = block.block_id
+                self.log.cached()
             seq.block_hashes.append(h)
 
     def free(self, seq: Sequence) -> None:

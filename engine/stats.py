@@ -3,6 +3,9 @@ what one step did. Metrics and GET /load read these, never the scheduler's or th
 
 from __future__ import annotations
 
+import threading
+import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
@@ -33,3 +36,45 @@ class StepStats:
     first_tokens: list[Sequence] = field(default_factory=list)  # sequences that got their first token
     finished: list[Sequence] = field(default_factory=list)
     step_seconds: float = 0.0
+
+
+class PrefixCacheLog:
+    """What GET /load tells routers about the prefix cache: how many blocks it holds, and the hashes it evicted,
+    numbered by a sequence that only grows. Written by the block manager on the engine thread, read by /load on the
+    event loop, hence the lock (taken only when a cached block is registered or evicted, and by a reader).
+
+    Several pollers (gateway replicas) each ask `since(seq)` with the last sequence number they saw; the log keeps
+    the newest `capacity` evictions, and a poller that fell further behind learns it (`complete` False) and may
+    drop what it knew of this instance instead of keeping stale entries."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._ring: deque[int] = deque(maxlen=capacity)
+        self.epoch = uuid.uuid4().hex[:16]  # this process's log: a poller that sees another one starts afresh
+        self.seq = 0  # evictions so far; the ring holds numbers seq - len(ring) + 1 .. seq
+        self.num_cached_blocks = 0  # blocks registered in the prefix cache (in use or free but reusable)
+
+    def cached(self) -> None:
+        with self._lock:
+            self.num_cached_blocks += 1
+
+    def evicted(self, block_hash: int) -> None:
+        with self._lock:
+            self.num_cached_blocks -= 1
+            self.seq += 1
+            self._ring.append(block_hash)
+
+    def since(self, seq: int | None, limit: int | None = None) -> tuple[int, list[int], bool]:
+        """(latest sequence number, hashes evicted after `seq` (oldest first, at most `limit`, the newest kept),
+        whether that is all of them). `seq` None: nothing (a poller's first call learns where the log stands)."""
+        with self._lock:
+            latest = self.seq
+            if seq is None or seq >= latest:
+                return latest, [], seq is None or seq == latest
+            missed = latest - seq
+            kept = min(missed, len(self._ring))
+            hashes = list(self._ring)[len(self._ring) - kept :] if kept else []
+        complete = kept == missed
+        if limit is not None and len(hashes) > limit:
+            hashes, complete = hashes[len(hashes) - limit :], False
+        return latest, hashes, complete

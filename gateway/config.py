@@ -71,6 +71,29 @@ class PoolConfig:
     # External pools: a non-text content part (image, audio, file) is reserved at this many tokens, an upper
     # bound settled to the upstream's usage. Our engines take text only and refuse other parts with a 400.
     non_text_part_tokens: int = 2048
+    # Which instance serves a request (policies/routing.py): "prefix" (where its prompt prefix is cached, under a
+    # bound on load; needs `tokenizer` for the token ids, else least loaded), "least_loaded", "round_robin".
+    # None: "prefix" for a pool of our engines, "least_loaded" (least in flight) for external members.
+    route: str | None = None
+    route_load_epsilon: float = 0.25  # bounded load: no prefix affinity above (1 + eps) x the mean load
+    route_max_waiting: int = 8  # nor for an engine whose queue is longer
+    prefix_index_entries: int = 100_000  # block hashes this replica remembers for the pool (LRU)
+
+    def __post_init__(self) -> None:
+        if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
+            raise ValueError(
+                f"pool {self.model}: route: expected prefix, least_loaded or round_robin, got {self.route!r}"
+            )
+        if self.route_load_epsilon < 0 or self.route_max_waiting < 0 or self.prefix_index_entries < 1:
+            raise ValueError(
+                f"pool {self.model}: route_load_epsilon >= 0, route_max_waiting >= 0, prefix_index_entries >= 1"
+            )
+
+    @property
+    def strategy(self) -> str:
+        if self.route is not None:
+            return self.route
+        return "prefix" if self.upstreams and all(u.engine for u in self.upstreams) else "least_loaded"
 
 
 @dataclass
@@ -126,6 +149,22 @@ class BundledEngineConfig:
     model_name: str = "smollm2-135m"
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)
+    # replicas > 1: that many engine children on consecutive free ports from `port`, one pool (route: prefix),
+    # each restarted with doubling backoff when it exits (`tokenweir serve --engines N`). 1: one child, as before.
+    replicas: int = 1
+    # Shared out between the replicas (each gets its part); None: the engine's own default per engine, except
+    # that replicas > 1 split the machine's CPUs (num_threads = max(1, cpus // replicas) each).
+    num_threads: int | None = None  # torch CPU threads in all
+    kv_cache_memory: str | None = None  # KV cache bytes in all (CPU), e.g. "1GiB"
+    restart_backoff_s: float = 0.5  # first wait before a restart; doubles while a replica keeps dying young
+    restart_max_backoff_s: float = 30.0
+    restart_stable_s: float = 30.0  # a replica that ran this long starts over from restart_backoff_s
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or (self.num_threads is not None and self.num_threads < 1):
+            raise ValueError("engine: replicas >= 1 and num_threads >= 1")
+        if not 0 < self.restart_backoff_s <= self.restart_max_backoff_s:
+            raise ValueError("engine: 0 < restart_backoff_s <= restart_max_backoff_s")
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Dispatch: try the route plan's hops in order (the pool's instances, least loaded first, then each fallback
-pool's) until one answers; a hop that fails before the first byte passes to the next and counts against its
+"""Dispatch: try the route plan's hops in order (the pool's instances as its route strategy ranks them, then each
+fallback pool's) until one answers; a hop that fails before the first byte passes to the next and counts against its
 instance's circuit. Non-stream calls and streams (first token under the TTFT deadline, then relayed chunk by
 chunk under the total deadline) go through gateway/relay.py; what they made is settled by gateway/settle.py.
 """
@@ -18,6 +18,7 @@ from gateway.context import RequestContext
 from gateway.errors import APIError
 from gateway.http1 import HTTP1Pool, HTTPError
 from gateway.metrics import Metrics
+from gateway.prompt_ids import prompt_token_ids
 from gateway.settle import Settler
 from gateway.upstream import Hop, Upstreams
 
@@ -34,8 +35,22 @@ class Dispatcher:
             settler,
         )
 
+    def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
+        """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
+        prompt's block hashes for the prefix index."""
+        pool = self.upstreams.pools[ctx.model]
+        token_ids = None
+        if pool.cfg.strategy == "prefix":
+            token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
+        hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
+        ctx.route_reason = why.as_dict()
+        self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()
+        if why.reason.startswith("prefix_"):  # the prompt's hashes were looked up (not a fallback to load)
+            self.metrics.routing_prefix_hit_blocks.labels(ctx.model).observe(why.hit_blocks)
+        return hops, hashes
+
     async def dispatch(self, ctx: RequestContext) -> Response:
-        hops = self.upstreams.plan(ctx.model)
+        hops, hashes = self.route(ctx)
         last = "every instance's circuit is open"
         for hop in hops:
             ctx.route.append(hop.label)
@@ -43,6 +58,7 @@ class Dispatcher:
             ctx.served_model = hop.model
             ctx.upstream_id = "tw-" + uuid.uuid4().hex
             hop.instance.take(time.monotonic())
+            self.upstreams.record(hop, hashes)
             self.metrics.in_flight.labels(ctx.model).inc()
             try:
                 if ctx.stream:
@@ -191,7 +207,11 @@ class Dispatcher:
             elif ctx.status != "timeout":
                 ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "error", "upstream_broken", 502, True
                 ctx.instance_ok = False
-                tail = relay.sse_error("The upstream stream broke off.", "upstream_broken", "upstream_error")
+                tail = relay.sse_error(
+                    f"The upstream stream broke off ({ctx.hop.label}); the response is incomplete.",
+                    "upstream_broken",
+                    "upstream_error",
+                )
             ctx.upstream_end = time.perf_counter()
             await send({"type": "http.response.body", "body": b"".join(pending) + tail, "more_body": False})
             return True

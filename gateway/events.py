@@ -27,6 +27,7 @@ FIELDS = (
     "key_id",
     "model",
     "route",
+    "route_reason",
     "upstream_request_id",
     "instance",
     "priority",

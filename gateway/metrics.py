@@ -67,10 +67,32 @@ class Metrics:
             ["model", "upstream"],
             registry=r,
         )
+        self.engine_restarts = Counter(
+            p + "engine_restarts",
+            "Exits of a supervised engine child (`serve --engines N`), each followed by a restart with backoff",
+            ["model", "upstream"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             p + "fallbacks",
             "Requests for `model` served by a hop of the fallback pool `served_model`",
             ["model", "served_model"],
+            registry=r,
+        )
+
+        # Routing (policies/routing.py): each decision by its reason, and the prefix blocks the pick was expected
+        # to hold (0 for a miss) under the prefix strategy. `pool` is the requested model.
+        self.routing_decisions = Counter(
+            p + "routing_decisions",
+            "Route decisions by reason (prefix_hit, prefix_spill, prefix_home, least_loaded, round_robin, ...)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.routing_prefix_hit_blocks = Histogram(
+            p + "routing_prefix_hit_blocks",
+            "Prompt prefix blocks the chosen instance was expected to hold (prefix routing)",
+            ["pool"],
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=r,
         )
 

@@ -193,6 +193,7 @@ class Settler:
                 "model": clip(ctx.model),
                 "served_model": ctx.served_model,
                 "route": ctx.route,
+                "route_reason": ctx.route_reason,
                 "upstream_request_id": ctx.upstream_id or None,
                 "instance": ctx.route[-1] if ctx.route else None,
                 "priority": ctx.priority,

@@ -1,7 +1,8 @@
 """Upstream pools: load-aware instance pick, a circuit breaker per instance, and the route plan of hops.
 
-A hop is (public model, instance). The plan is: the model's pool instances (least loaded first), then each
-configured fallback model's instances. The relay tries hops in order while a failure happens BEFORE the first
+A hop is (public model, instance). The plan is: the model's pool instances (ranked by the pool's route strategy,
+policies/routing.py: where the prompt's prefix is cached, least loaded, or in turn), then each configured fallback
+model's instances (least loaded first). The relay tries hops in order while a failure happens BEFORE the first
 byte; the hops it tried end up in the request's event as `route`.
 """
 
@@ -16,6 +17,9 @@ import orjson
 
 from gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.http1 import HTTP1Pool, HTTPError
+from gateway.logging import get_logger
+from gateway.prefix_index import PrefixIndex
+from policies import prefix_hash, routing
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
@@ -34,6 +38,12 @@ class Instance:
     probing: bool = False  # a half-open probe is out
     model: str = ""  # the pool it belongs to (metrics label)
     metrics: Metrics | None = field(default=None, repr=False, compare=False)
+    index: PrefixIndex | None = field(default=None, repr=False, compare=False)  # its pool's (prefix routing)
+    evicted_epoch: str | None = None  # where this poller stands in the engine's eviction log (GET /load)
+    evicted_seq: int | None = None
+    # The process behind it is known to be gone (a supervised engine exited): circuit open, no probe, until a
+    # /load poll sent after that answers again (`mark_up`).
+    down_since: float | None = None
 
     @property
     def name(self) -> str:
@@ -41,6 +51,8 @@ class Instance:
 
     @property
     def circuit(self) -> int:
+        if self.down_since is not None:
+            return OPEN
         if self.opened_at is None:
             return CLOSED
         return HALF_OPEN if self.probing else OPEN
@@ -54,6 +66,8 @@ class Instance:
 
     def available(self, now: float) -> bool:
         """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe)."""
+        if self.down_since is not None:
+            return False
         if self.opened_at is None:
             return True
         return not self.probing and now - self.opened_at >= self.breaker.cooldown_s
@@ -80,25 +94,97 @@ class Instance:
                 self.metrics.upstream_failures.labels(self.model, self.name).inc()
         self._report()
 
+    def mark_down(self, now: float) -> None:
+        """Its process exited: open the circuit (no half-open probe while it is down), forget its load and what the
+        prefix index says it caches (a restarted engine starts empty)."""
+        self.down_since = self.opened_at = now
+        self.failures = max(self.failures, self.breaker.failures)
+        self.load = None
+        if self.index is not None:
+            self.index.forget_instance(self.name)
+        self._report()
+
+    def mark_up(self) -> None:
+        """Back (its /load answers again): the circuit closes."""
+        self.down_since = self.opened_at = None
+        self.failures, self.probing = 0, False
+        self._report()
+
     def score(self) -> float:
         """Lower is better. Engines report their queue; for others our own in-flight count is all we know."""
-        if self.load is None:
-            return float(self.in_flight)
-        queued = self.load.get("num_running", 0) + 2 * self.load.get("num_waiting", 0)
-        return queued + self.in_flight + self.load.get("kv_cache_usage", 0.0)
+        c = self.candidate(True)
+        return routing.load(c) + c.kv_usage
+
+    def candidate(self, available: bool, hit_blocks: int = 0) -> routing.Candidate:
+        load = self.load or {}
+        return routing.Candidate(
+            self.name,
+            available=available,
+            in_flight=self.in_flight,
+            running=int(load.get("num_running", 0) or 0),
+            waiting=int(load.get("num_waiting", 0) or 0),
+            kv_usage=float(load.get("kv_cache_usage", 0.0) or 0.0),
+            hit_blocks=hit_blocks,
+            prefix_capable=self.cfg.engine,
+        )
 
 
 @dataclass
 class Pool:
     cfg: PoolConfig
     instances: list[Instance] = field(default_factory=list)
+    index: PrefixIndex = field(init=False)
+    turn: int = 0  # round robin
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex(self.cfg.prefix_index_entries)
+        for inst in self.instances:
+            inst.index = self.index
 
     @property
     def model(self) -> str:
         return self.cfg.model
 
     def ranked(self, now: float) -> list[Instance]:
+        """Least loaded first (a fallback pool's hops)."""
         return sorted((i for i in self.instances if i.available(now)), key=Instance.score)
+
+    def block_size(self) -> int | None:
+        """The engines' prefix-cache block size, from /load, when they agree and hash as we do; else None."""
+        sizes = set()
+        for inst in self.instances:
+            load = inst.load
+            if not inst.cfg.engine or not load or "block_size" not in load:
+                continue
+            bs = int(load["block_size"])
+            if not load.get("prefix_caching", True) or load.get("prefix_hash_probe") != prefix_hash.probe(bs):
+                return None
+            sizes.add(bs)
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def params(self, block_size: int = 16) -> routing.RouteParams:
+        return routing.RouteParams(
+            strategy=self.cfg.strategy,
+            block_size=block_size,
+            load_epsilon=self.cfg.route_load_epsilon,
+            max_waiting=self.cfg.route_max_waiting,
+        )
+
+    def route(self, now: float, token_ids: list[int] | None) -> tuple[list[Instance], routing.RouteReason, list[int]]:
+        """The pool's instances in the order to try them, why the first, and the prompt's block hashes (empty when
+        the decision did not use them)."""
+        strategy, hashes, hits = self.cfg.strategy, [], {}
+        block_size = self.block_size() if strategy == "prefix" and token_ids else None
+        if block_size is not None:
+            # the engine looks up at most (n - 1) // block_size blocks (the last token is always computed)
+            hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+            hits = self.index.match(hashes)
+        cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in self.instances]
+        names, why = routing.rank(cands, self.params(block_size or 16), hashes or None, self.turn)
+        if strategy == "round_robin":
+            self.turn += 1
+        by_name = {i.name: i for i in self.instances}
+        return [by_name[n] for n in names], why, hashes
 
 
 @dataclass
@@ -145,12 +231,23 @@ class Upstreams:
         return self.pools.get(model)
 
     def plan(self, model: str) -> list[Hop]:
+        return self.route(model)[0]
+
+    def route(self, model: str, token_ids: list[int] | None = None) -> tuple[list[Hop], routing.RouteReason, list[int]]:
+        """The route plan, why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
         now = time.monotonic()
         pool = self.pools[model]
-        hops = [Hop(model, i, model) for i in pool.ranked(now)]
+        ranked, why, hashes = pool.route(now, token_ids)
+        hops = [Hop(model, i, model) for i in ranked]
         for fb in pool.cfg.fallbacks:
             hops += [Hop(fb, i, model) for i in self.pools[fb].ranked(now)]
-        return hops
+        return hops, why, hashes
+
+    def record(self, hop: Hop, hashes: list[int]) -> None:
+        """The hop's instance was sent a prompt with these block hashes: its pool's index learns it holds them
+        (only for the requested pool's own engines: a fallback pool's tokenizer may differ)."""
+        if hashes and not hop.fallback and hop.instance.cfg.engine and hop.instance.index is not None:
+            hop.instance.index.record(hop.instance.name, hashes)
 
     # --- load poller --------------------------------------------------------------------------------------
     def start(self, client: HTTP1Pool) -> None:
@@ -170,9 +267,13 @@ class Upstreams:
 
     @staticmethod
     async def _poll(client: HTTP1Pool, inst: Instance) -> None:
+        sent = time.monotonic()
+        query = ""
+        if inst.evicted_seq is not None and inst.evicted_epoch is not None:
+            query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
         try:
             async with asyncio.timeout(2.0):
-                r = await client.request("GET", f"{inst.cfg.base_url}/load")
+                r = await client.request("GET", f"{inst.cfg.base_url}/load{query}")
                 try:
                     raw = await r.read()
                 finally:
@@ -180,3 +281,21 @@ class Upstreams:
             inst.load = orjson.loads(raw) if r.status_code == 200 else None
         except (HTTPError, TimeoutError, orjson.JSONDecodeError):
             inst.load = None  # unknown load: fall back to in-flight; failures count only on real requests
+        if isinstance(inst.load, dict):
+            if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
+                inst.mark_up()
+                get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
+            forget_evicted(inst, inst.load)
+
+
+def forget_evicted(inst: Instance, load: dict) -> None:
+    """What a /load answer says the engine evicted leaves the pool's prefix index. Another eviction log (the engine
+    restarted: its cache is empty) or a gap in this one (we fell behind) forgets all the index says it holds."""
+    if inst.index is None or "evicted_seq" not in load:
+        return
+    epoch, seq = load.get("evicted_epoch"), load.get("evicted_seq")
+    if inst.evicted_epoch is not None and (epoch != inst.evicted_epoch or not load.get("evicted_complete", True)):
+        inst.index.forget_instance(inst.name)
+    else:
+        inst.index.forget(inst.name, load.get("evicted_hashes") or ())
+    inst.evicted_epoch, inst.evicted_seq = epoch, seq

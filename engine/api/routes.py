@@ -40,6 +40,7 @@ from engine.protocol import (
     dump_response,
 )
 from engine.tokenizer import Tokenizer
+from policies import prefix_hash
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -170,9 +171,21 @@ async def health(engine: Engine) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+MAX_EVICTED_PER_POLL = 4096  # a poller further behind gets the newest ones and `evicted_complete: false`
+
+
 @router.get("/load")
-async def load(engine: Engine) -> dict:
+async def load(engine: Engine, since: int | None = None, epoch: str | None = None) -> dict:
+    """Queues, KV usage and the prefix cache, for routers. `evicted_hashes`: the prefix-cache block hashes
+    (policies/prefix_hash.py) evicted after eviction number `since` of the log `epoch` (both as the poller's last
+    answer gave them; a different epoch, an engine restart, counts as seeing nothing), so a router's index can forget
+    them. Without `since`, none: a first poll learns `evicted_seq` and starts from there."""
     stats = engine.stats
+    bm = engine.engine.block_manager
+    log = bm.log
+    if epoch is not None and epoch != log.epoch:
+        since = None
+    seq, evicted, complete = log.since(since, MAX_EVICTED_PER_POLL)
     return {
         "num_running": stats.num_running_reqs,
         "num_waiting": stats.num_waiting_reqs,
@@ -181,6 +194,15 @@ async def load(engine: Engine) -> dict:
         "num_total_blocks": stats.num_total_blocks,
         "num_cached_free_blocks": stats.num_cached_free_blocks,
         "max_num_seqs": engine.max_num_seqs,
+        "block_size": bm.block_size,
+        "prefix_caching": bm.enable_prefix_caching,
+        "num_cached_blocks": log.num_cached_blocks,
+        "prefix_hash": prefix_hash.SCHEME,
+        "prefix_hash_probe": prefix_hash.probe(bm.block_size),
+        "evicted_epoch": log.epoch,
+        "evicted_seq": seq,
+        "evicted_hashes": evicted,
+        "evicted_complete": complete and (epoch is None or epoch == log.epoch),
     }
 
 

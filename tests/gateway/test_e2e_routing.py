@@ -132,7 +132,7 @@ async def test_queue_bound_and_deadline_shed_with_reasons(stack):
     await blocker
     events = await wait_events(stack, [full.value.response.headers["x-request-id"]])
     assert events[full.value.response.headers["x-request-id"]]["reason"] == "queue_full"
-    assert stack["app"].state.queues["tiny"].stats()["in_use"] == 0
+    assert stack["app"].state.services.queues["tiny"].stats()["in_use"] == 0
 
 
 async def test_fallback_hop_before_first_byte_and_breaker_opens(stack):
@@ -177,10 +177,10 @@ async def test_client_leaving_while_queued_never_reaches_the_upstream(stack):
     event = events["gone-while-queued"]
     assert (event["status"], event["reason"], event["route"]) == ("cancelled", "client_disconnected", [])
     assert event["client_disconnected"] and event["completion_tokens"] == 0
-    assert stack["app"].state.queues["serial"].stats()["queued"] == 0, "the waiter left no trace"
+    assert stack["app"].state.services.queues["serial"].stats()["queued"] == 0, "the waiter left no trace"
     await blocker
     assert event["upstream_request_id"] is None, "a request that never left the queue reached no upstream"
-    snap = stack["app"].state.state_backend.snapshot(event["team"])
+    snap = stack["app"].state.services.state.snapshot(event["team"])
     assert snap["reserved_tokens"] == 0 and snap["in_flight"] == 0
 
 

@@ -1,0 +1,152 @@
+"""`serve --engines N` without a model: the config and flags, each engine's command line (its share of threads and
+KV memory), and what an engine's exit and return do to its instance (circuit, prefix index, metrics, log)."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import orjson
+import pytest
+import structlog.testing
+
+from gateway import cli
+from gateway.config import BreakerConfig, BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig, load_config
+from gateway.metrics import Metrics
+from gateway.supervisor import Child
+from gateway.upstream import CLOSED, OPEN, Upstreams
+
+
+def test_replicas_from_the_file_and_env_and_validated(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("engine:\n  replicas: 3\n  kv_cache_memory: 1GiB\n")
+    config = load_config(f, env={})
+    assert (config.engine.replicas, config.engine.kv_cache_memory) == (3, "1GiB")
+    assert load_config(f, env={"TOKENWEIR_ENGINE__REPLICAS": "2"}).engine.replicas == 2
+    assert load_config(None, env={}).engine.replicas == 1
+    with pytest.raises(ValueError, match="replicas"):
+        load_config(None, env={"TOKENWEIR_ENGINE__REPLICAS": "0"})
+
+
+def test_one_engine_keeps_todays_command_line():
+    ec = BundledEngineConfig(extra_args=["--max-num-seqs", "8"])
+    cmd = cli.engine_cmd(ec, "/m.gguf", 8100)
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "engine.server",
+        "--port",
+        "8100",
+        "--served-model-name",
+        "smollm2-135m",
+        "--log-level",
+        "warning",
+        "--model",
+        "/m.gguf",
+        "--max-num-seqs",
+        "8",
+    ]
+
+
+def test_replicas_share_threads_and_kv_memory_and_extra_args_win(monkeypatch):
+    ec = BundledEngineConfig(replicas=2, num_threads=5, kv_cache_memory="1GiB", extra_args=["--num-threads", "7"])
+    cmd = cli.engine_cmd(ec, "/m.gguf", 8101)
+    assert cmd[cmd.index("--num-threads") + 1] == "2"  # 5 // 2
+    assert cmd[cmd.index("--kv-cache-memory") + 1] == str(2**29)
+    assert cmd[-2:] == ["--num-threads", "7"]  # the operator's own flag comes last: argparse keeps it
+    monkeypatch.setattr(cli, "_cpus", lambda: 2)
+    cmd = cli.engine_cmd(BundledEngineConfig(replicas=4), "", 8100)
+    assert cmd[cmd.index("--num-threads") + 1] == "1" and "--model" not in cmd  # never 0 threads
+    with pytest.raises(SystemExit, match="kv_cache_memory"):
+        cli.engine_cmd(BundledEngineConfig(replicas=2, kv_cache_memory="lots"), "", 8100)
+
+
+def test_engines_flag_sets_replicas(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "serve_forever", lambda config: seen.setdefault("config", config))
+    cli.main(["serve", "--engines", "3", "--engine-port", "9300"])
+    assert (seen["config"].engine.replicas, seen["config"].engine.port) == (3, 9300)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--engines", "0"])
+
+
+def _replicas(tmp_path):
+    config = GatewayConfig()
+    config.engine = BundledEngineConfig(replicas=2, model_path=str(tmp_path / "m.gguf"), port=41000)
+    replicas = cli.EngineReplicas(config)
+    children = replicas.supervisor.children
+    ups = [UpstreamConfig(replicas.url(c.port), name=replicas.name(c.index)) for c in children]
+    config.pools = [PoolConfig("smollm2-135m", ups)]
+    config.breaker = BreakerConfig(failures=3, cooldown_s=0.0)
+    metrics = Metrics()
+    upstreams = Upstreams(config, metrics)
+    for child in children:
+        child.proc = SimpleNamespace(pid=1000 + child.index, returncode=None)  # running
+    replicas.attach(
+        SimpleNamespace(state=SimpleNamespace(services=SimpleNamespace(metrics=metrics, upstreams=upstreams)))
+    )
+    return replicas, upstreams, metrics
+
+
+def test_an_exit_opens_the_circuit_forgets_the_prefix_index_counts_and_logs(tmp_path):
+    replicas, upstreams, metrics = _replicas(tmp_path)
+    pool = upstreams.get("smollm2-135m")
+    e0, e1 = pool.instances
+    pool.index.record("engine-0", [11, 12])
+    pool.index.record("engine-1", [21])
+    child: Child = replicas.supervisor.children[0]
+    child.last_status, child.restarts, child.backoff_s = -9, 1, 0.5
+    with structlog.testing.capture_logs() as logs:
+        replicas.on_exit(child)
+
+    assert e0.circuit == OPEN and not e0.available(1e12)  # no half-open probe while it is down, cooldown or not
+    assert e1.circuit == CLOSED and e1.available(0)
+    assert pool.index.match([11, 12]) == {} and pool.index.match([21]) == {"engine-1": 1}
+    sample = metrics.registry.get_sample_value
+    labels = {"model": "smollm2-135m", "upstream": "engine-0"}
+    assert sample("tokenweir_gateway_engine_restarts_total", labels) == 1
+    assert sample("tokenweir_gateway_upstream_circuit_state", labels) == OPEN
+    hops, why, _ = upstreams.route("smollm2-135m")
+    assert [h.instance.name for h in hops] == ["engine-1"]
+    logged = next(x for x in logs if x["event"] == "engine_exited")
+    assert (logged["log_level"], logged["upstream"], logged["status"], logged["restarts"]) == (
+        "warning",
+        "engine-0",
+        -9,
+        1,
+    )
+
+
+class _Answer:
+    def __init__(self, status: int, body: dict) -> None:
+        self.status_code, self.body = status, orjson.dumps(body)
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _Client:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    async def request(self, method, url):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
+    from gateway.http1 import HTTPError
+
+    replicas, upstreams, metrics = _replicas(tmp_path)
+    e0 = upstreams.get("smollm2-135m").instances[0]
+    replicas.on_exit(replicas.supervisor.children[0])
+    await Upstreams._poll(_Client(HTTPError("refused")), e0)  # still restarting
+    assert e0.circuit == OPEN
+    await Upstreams._poll(_Client(_Answer(200, {"num_running": 0, "num_waiting": 0})), e0)
+    assert e0.circuit == CLOSED and e0.available(0) and e0.failures == 0
+    labels = {"model": "smollm2-135m", "upstream": "engine-0"}
+    assert metrics.registry.get_sample_value("tokenweir_gateway_upstream_circuit_state", labels) == CLOSED
