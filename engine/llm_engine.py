@@ -19,6 +19,7 @@ from engine.loader import load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.output import RequestOutput, TextState
+from engine.precision import resolve as resolve_precision
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -43,12 +44,6 @@ def _resolve_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
@@ -57,11 +52,25 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         device = _resolve_device(config)
-        dtype = _resolve_dtype(config, device)
         model_config, state = load_model_weights(path, progress=progress)
         self.model_config = model_config
         self.model_name = config.served_model_name or model_config.name
         self.tokenizer = self._load_tokenizer(path)
+        widest = (model_config.hidden_size, 2 * model_config.intermediate_size)  # the fused gate/up projection
+        self.precision = resolve_precision(config.dtype, config.quantization, device, widest)
+        dtype = self.precision.dtype
+        log.info("precision: %s", self.precision.reason)
+        self.model = LlamaForCausalLM(
+            model_config,
+            state,
+            dtype,
+            device,
+            config.attention_backend,
+            model_config.max_position_embeddings,
+            self.precision.quantization,
+        )
+        del state
+        # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).
         block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or self._blocks_from_memory(block_bytes, device)
         assert num_blocks > 0, "the KV-cache budget holds no block: raise --kv-cache-memory"
@@ -70,10 +79,6 @@ class LLMEngine:
             model_config.max_position_embeddings,
             num_blocks * config.block_size,
         )
-        self.model = LlamaForCausalLM(
-            model_config, state, dtype, device, config.attention_backend, model_config.max_position_embeddings
-        )
-        del state
         self.stop_token_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set()
         if model_config.eos_token_id is not None:
             self.stop_token_ids.add(model_config.eos_token_id)
@@ -90,7 +95,7 @@ class LLMEngine:
         self.texts: dict[str, TextState] = {}  # detokenizer and stop strings, per request
         self.last_stats = StepStats()
         log.info(
-            "engine ready: %s, %d KV blocks x %d tokens (%.0f MiB), attention=%s, device=%s, dtype=%s",
+            "engine ready: %s, %d KV blocks x %d tokens (%.0f MiB), attention=%s, device=%s, dtype=%s, weights=%s",
             self.model_name,
             num_blocks,
             config.block_size,
@@ -98,6 +103,7 @@ class LLMEngine:
             self.model.attention_backend,
             device,
             dtype,
+            self.precision.quantization,
         )
 
     def _blocks_from_memory(self, block_bytes: int, device: torch.device) -> int:

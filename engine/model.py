@@ -1,7 +1,7 @@
 """Llama-family decoder over a paged KV cache.
 
-Linear weights are stored pre-transposed ([in, out], contiguous) and q/k/v and gate/up are fused: on CPU, MKL's small-M
-GEMM is several times faster on that layout than on F.linear's [out, in], and decode is all small-M GEMMs.
+q/k/v and gate/up are fused into one projection each (fewer, wider GEMMs); every projection is an engine.linear
+callable, so the same layer runs dense float32 / bfloat16 or int8 weights.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.linear import make_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,28 +36,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], attention: PagedAttention) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        attention: PagedAttention,
+        quantization: str = "none",
+    ) -> None:
         self.config = config
+        dtype = weights["o_proj"].dtype
         self.attention = attention
         self.input_norm = weights["input_norm"]
         self.post_attention_norm = weights["post_attention_norm"]
         qkv = [weights["q_proj.weight"], weights["k_proj.weight"], weights["v_proj.weight"]]
-        self.qkv_proj = torch.cat(qkv).t().contiguous()
+        self.qkv_proj = make_linear(torch.cat(qkv), dtype, quantization)
         self.qkv_bias = (
             torch.cat([weights["q_proj.bias"], weights["k_proj.bias"], weights["v_proj.bias"]])
             if config.qkv_bias
             else None
         )
-        self.o_proj = weights["o_proj"].t().contiguous()
-        self.gate_up_proj = torch.cat([weights["gate_proj"], weights["up_proj"]]).t().contiguous()
-        self.down_proj = weights["down_proj"].t().contiguous()
+        self.o_proj = make_linear(weights["o_proj"], dtype, quantization)
+        self.gate_up_proj = make_linear(torch.cat([weights["gate_proj"], weights["up_proj"]]), dtype, quantization)
+        self.down_proj = make_linear(weights["down_proj"], dtype, quantization)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+
+    def projections(self) -> list:
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def __call__(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.config
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
-        qkv = x @ self.qkv_proj
+        qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -64,10 +75,10 @@ class DecoderLayer:
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = self.attention(q, k, v, k_cache, v_cache, meta)
-        hidden = hidden + attn.reshape(-1, self.q_size) @ self.o_proj
+        hidden = hidden + self.o_proj(attn.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_attention_norm, cfg.rms_norm_eps)
-        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + (F.silu(gate) * up) @ self.down_proj
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM:
@@ -79,19 +90,22 @@ class LlamaForCausalLM:
         device: str | torch.device = "cpu",
         attention_backend: str | None = None,
         max_positions: int | None = None,
+        quantization: str = "none",
     ) -> None:
         self.config = config
+        self.quantization = quantization
         state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, attention_backend)
         self.attention_backend = attention.backend
         self.embed_tokens = state["embed_tokens"]
-        self.lm_head = (state["embed_tokens"] if config.tie_word_embeddings else state["lm_head"]).t().contiguous()
+        lm_head = state["embed_tokens"] if config.tie_word_embeddings else state["lm_head"]
+        self.lm_head = make_linear(lm_head, dtype, quantization)
         self.norm = state["norm"]
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            self.layers.append(DecoderLayer(config, weights, attention))
+            self.layers.append(DecoderLayer(config, weights, attention, quantization))
         cos, sin = rope_cos_sin(config.head_dim, config.rope_theta, max_positions or config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
@@ -110,4 +124,9 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
-        return (hidden @ self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads (every projection once; embeddings are row lookups)."""
+        projections = [p for layer in self.layers for p in layer.projections()] + [self.lm_head]
+        return sum(p.nbytes for p in projections)

@@ -88,8 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         type=parse_dtype,
         default=d.dtype,
-        help="weights and activations; auto = float32 on "
-        "CPU, bfloat16 on CUDA (vLLM's 'float' and 'half' are accepted)",
+        help="activations and dense weights; auto = bfloat16 on CUDA and on CPUs with native bf16 (probed at "
+        "start), float32 elsewhere (vLLM's 'float' and 'half' are accepted)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=("none", "int8", "auto"),
+        default=d.quantization,
+        help="weight format; int8 = per-channel int8 weights (CPU); auto = int8 where a start-up probe shows it "
+        "faster than dense weights on this CPU",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's generator for unseeded requests")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (a power of two)")
@@ -158,6 +166,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,

@@ -1,80 +1,180 @@
-"""Engine throughput benchmark: our engine vs HF transformers static batching, same machine, same process.
+"""Engine benchmark against the peers a CPU user would pick, one at a time, in one run on one machine:
 
-    .venv/bin/python loadtests/bench_engine.py            # full workload (several minutes on 2 CPU cores)
-    .venv/bin/python loadtests/bench_engine.py --quick    # 16 requests, shorter lengths
+    .venv/bin/python loadtests/bench_engine.py --plot loadtests/results/bench_engine.png
+    .venv/bin/python loadtests/bench_engine.py --quick          # prompts 32-256, outputs 16-64
 
-Workload (seeded): N requests, prompt lengths uniform in [32, 1024], outputs in [16, 256] tokens with ignore_eos, so
-both sides produce exactly the same number of tokens. A shared-prefix variant gives every prompt one common 512-token
-prefix. HF runs static batches of 16 with left padding and generates until the longest request of its batch is done
-(that is what static batching costs); only requested tokens count as output. Also prints batch-1 decode speed and our
-decode step time against the memory roofline (weight bytes / measured read bandwidth).
+Rows: our engine server in float32 and in `auto` (the dtype and weight format it picks for this CPU, printed),
+llama-server (built once from the llama.cpp vendored in the llama-cpp-python sdist, see loadtests/llama_server.py;
+skipped with the reason where the build fails) on the same GGUF, and HF transformers in process (static batches and
+batch 1). Served systems get the same workload over HTTP: 16 seeded requests, prompts 32-1024 tokens, outputs 16-256
+(ignore_eos, greedy), all sent at once and streamed, so TTFT and time per output token are what a client sees; then
+one request alone for batch-1 decode speed. Each server gets the machine to itself (llama-server's spin-waiting
+threads collapse when anything else runs on the cores). Also prints each weight format's memory roofline: the bytes
+a decode step must read over the bandwidth measured here.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
+import statistics
+import subprocess
+import sys
 import time
+import urllib.request
 
+import httpx
+import orjson
 import torch
 
-from engine.config import EngineConfig, default_model_path
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import default_model_path  # noqa: E402
+from loadtests import llama_server  # noqa: E402
+
+CONCURRENCY = 16
 
 
-def make_workload(n: int, seed: int, min_prompt: int, max_prompt: int, min_out: int, max_out: int, shared: int):
+def make_workload(n: int, seed: int, prompt_range: tuple[int, int], out_range: tuple[int, int]):
     rng = random.Random(seed)
-    prefix = [rng.randrange(100, 49000) for _ in range(shared)]
-    work = []
-    for _ in range(n):
-        plen = rng.randint(min_prompt, max_prompt)
-        prompt = prefix + [rng.randrange(100, 49000) for _ in range(max(plen - shared, 1))]
-        work.append((prompt, rng.randint(min_out, max_out)))
-    return work
+    return [
+        ([rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
+        for _ in range(n)
+    ]
 
 
-def run_ours(engine: LLMEngine, work, label: str) -> tuple[float, int]:
-    for i, (prompt, out_len) in enumerate(work):
-        engine.add_request(f"{label}-{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    first = last = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            if chunk.get("choices") and (chunk["choices"][0].get("text") or chunk["choices"][0].get("content")):
+                last = time.perf_counter()
+                first = first or last
+    assert first is not None, "the stream carried no text"
+    return {"ttft": first - sent, "tpot": (last - first) / max(max_tokens - 1, 1), "end": last, "tokens": max_tokens}
+
+
+async def run_served(url: str, model: str, work, label: str) -> dict:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        # A short warm-up request: first-call costs (thread pools, kernel packing) are not what we measure.
+        await stream_one(client, url, model, work[0][0][:16], 4)
+        start = time.perf_counter()
+        done = 0
+
+        async def tracked(prompt, out):
+            nonlocal done
+            result = await stream_one(client, url, model, prompt, out)
+            done += 1
+            print(f"  [{label}] {done}/{len(work)} done at {time.perf_counter() - start:.0f}s", flush=True)
+            return result
+
+        results = await asyncio.gather(*(tracked(p, o) for p, o in work[:CONCURRENCY]))
+        elapsed = max(r["end"] for r in results) - start
+        alone = await stream_one(client, url, model, work[0][0][:32], 129)
+    ttfts = sorted(r["ttft"] for r in results)
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / elapsed,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        "tpot_p50": statistics.median(r["tpot"] for r in results) * 1000,
+        "b1": 1 / alone["tpot"],
+    }
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, deadline_s: float = 600) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return orjson.loads(r.read())["data"][0]["id"]
+
+
+def measure_ours(model_path: str, dtype: str, quantization: str, threads: int, work) -> tuple[dict, str]:
+    port = llama_server.free_port()
+    cmd = [
+        sys.executable, "-m", "engine.server", "--model", model_path, "--port", str(port), "--dtype", dtype,
+        "--quantization", quantization, "--num-threads", str(threads), "--max-num-seqs", str(CONCURRENCY),
+        "--kv-cache-memory", "2GiB", "--log-level", "info",
+    ]  # fmt: skip
+    log_path = f"/tmp/tokenweir-bench-engine-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url)
+        with open(log_path) as f:
+            precision = next((line for line in f if "precision:" in line), "")
+        reason = precision.split("precision:", 1)[1].split('"')[0].strip() if precision else "?"
+        return asyncio.run(run_served(url, served_model(url), work, f"ours {dtype}/{quantization}")), reason
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def measure_llama(model_path: str, threads: int, work) -> dict | None:
+    binary = llama_server.build()
+    if binary is None:
+        return None
+    proc, url = llama_server.start(binary, model_path, CONCURRENCY, threads)
+    try:
+        return asyncio.run(run_served(url, served_model(url), work, "llama-server"))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def measure_hf(model_path: str, work, batch_size: int = CONCURRENCY) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_path.rsplit("/", 1)[0], gguf_file=model_path.rsplit("/", 1)[1], dtype=torch.float32
+    ).eval()
+    batch = work[:batch_size]
+    width = max(len(p) for p, _ in batch)
+    ids = torch.full((len(batch), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(batch):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    longest = max(o for _, o in batch)
+    print(f"  [hf] static batch of {len(batch)}, {longest} steps", flush=True)
     start = time.perf_counter()
-    produced, steps, last_print = 0, 0, start
-    while engine.has_unfinished_requests():
-        produced += len(engine.step())
-        steps += 1
-        if time.perf_counter() - last_print > 5:
-            last_print = time.perf_counter()
-            print(f"  [{label}] {produced} tokens, {steps} steps, {last_print - start:.0f}s", flush=True)
-    return time.perf_counter() - start, produced
-
-
-def run_hf(hf, work, batch_size: int, pad_id: int) -> tuple[float, int]:
-    start = time.perf_counter()
-    produced = 0
-    for b in range(0, len(work), batch_size):
-        batch = work[b : b + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, _) in enumerate(batch):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        longest = max(o for _, o in batch)
-        with torch.inference_mode():
-            hf.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        produced += sum(o for _, o in batch)
-        print(
-            f"  [hf] batch {b // batch_size + 1}/{-(-len(work) // batch_size)}: {time.perf_counter() - start:.0f}s",
-            flush=True,
-        )
-    return time.perf_counter() - start, produced
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                    pad_token_id=2)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    one = torch.tensor([work[0][0][:32]])
+    with torch.inference_mode():
+        hf.generate(one, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=2)
+        t = time.perf_counter()
+        hf.generate(one, max_new_tokens=129, min_new_tokens=129, do_sample=False, pad_token_id=2)
+        b1 = 129 / (time.perf_counter() - t)
+    return {"tok_s": sum(o for _, o in batch) / elapsed, "b1": b1}
 
 
 def read_bandwidth() -> float:
@@ -86,28 +186,38 @@ def read_bandwidth() -> float:
     return reps * x.numel() * 4 / (time.perf_counter() - start)
 
 
-def batch1_decode(engine: LLMEngine, steps: int = 64) -> float:
-    engine.add_request("b1", [100] * 32, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    engine.step()
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return steps / (time.perf_counter() - start)
+def weight_params(model_path: str) -> int:
+    """Parameters one decode step reads: every projection of every layer and the LM head (embeddings are lookups)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model_path)
+    names = {t.name: t for t in reader.tensors}
+    total = sum(int(t.n_elements) for n, t in names.items() if n.startswith("blk.") and n.endswith("weight")
+                and "norm" not in n)  # fmt: skip
+    head = names.get("output.weight") or names["token_embd.weight"]
+    return total + int(head.n_elements)
 
 
-def plot(rows, path: str) -> None:
+def plot(rows: list[tuple[str, dict]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{name}\n{wl}" for name, wl, _, _ in rows]
-    values = [tok / t for _, _, tok, t in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bars = ax.bar(labels, values, color=["#2b6cb0", "#2f855a", "#68d391", "#a0aec0"][: len(rows)])
-    ax.bar_label(bars, fmt="%.1f")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("SmolLM2-135M, float32, same CPU, same process")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    names = [name for name, _ in rows]
+    colors = ["#a0aec0", "#2b6cb0", "#2f855a", "#dd6b20", "#718096"][: len(rows)]
+    for ax, key, title in (
+        (axes[0], "tok_s", f"output tok/s, {CONCURRENCY} concurrent"),
+        (axes[1], "b1", "batch-1 decode tok/s"),
+        (axes[2], "ttft_p50", "TTFT p50 (s), lower is better"),
+    ):
+        values = [r.get(key) or 0 for _, r in rows]
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+    fig.suptitle("SmolLM2-135M (Q4_1 GGUF), same CPU, one system at a time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
@@ -116,67 +226,51 @@ def plot(rows, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="16 requests, prompts 32-256, outputs 16-64")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="prompts 32-256, outputs 16-64")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--plot", default="", help="also draw the throughput table as a bar chart (PNG path)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--plot", default="", help="also draw the table (PNG path)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    n, pmax, omax = (16, 256, 64) if args.quick else (args.requests, 1024, 256)
     path = args.model or default_model_path()
-    cfg = dict(
-        model=path, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=6 * 2**30
-    )
-    engine = LLMEngine(EngineConfig(**cfg), progress=True)
-    mixed = make_workload(n, args.seed, 32, pmax, 16, omax, shared=0)
-    shared = make_workload(n, args.seed + 1, 32 + 512, pmax + 512, 16, omax, shared=512)
-    rows = []
-
-    bw = read_bandwidth()
-    weight_bytes = sum(
-        t.numel() * t.element_size()
-        for layer in engine.model.layers
-        for t in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    )
-    weight_bytes += engine.model.lm_head.numel() * engine.model.lm_head.element_size()
-    roofline = bw / weight_bytes
-    b1 = batch1_decode(engine)
-
-    t, tok = run_ours(engine, mixed, "ours-mixed")
-    rows.append(("ours", "mixed", tok, t))
-    t, tok = run_ours(engine, shared, "ours-shared")
-    rows.append(("ours (prefix cache)", "shared-prefix", tok, t))
-    engine_nc = LLMEngine(EngineConfig(**cfg, enable_prefix_caching=False))
-    t, tok = run_ours(engine_nc, shared, "ours-shared-nocache")
-    rows.append(("ours (no prefix cache)", "shared-prefix", tok, t))
-    del engine_nc
+    work = make_workload(CONCURRENCY, args.seed, (32, 256) if args.quick else (32, 1024),
+                         (16, 64) if args.quick else (16, 256))  # fmt: skip
+    print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(o for _, o in work)} output "
+          f"tokens; threads {args.threads}", flush=True)  # fmt: skip
+    rows: list[tuple[str, dict]] = []
+    f32, _ = measure_ours(path, "float32", "none", args.threads, work)
+    rows.append(("tokenweir engine (f32)", f32))
+    auto, reason = measure_ours(path, "auto", "auto", args.threads, work)
+    rows.append(("tokenweir engine (auto)", auto))
+    llama = None if args.skip_llama else measure_llama(path, args.threads, work)
+    if llama:
+        rows.append(("llama-server (Q4_1)", llama))
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        rows.append(("HF transformers (f32, static)", measure_hf(path, work)))
 
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
-        ).eval()
-        t, tok = run_hf(hf, mixed, args.hf_batch, pad_id=2)
-        rows.append((f"HF static batch {args.hf_batch}", "mixed", tok, t))
+    print(f"\nauto chose: {reason}\n")
+    print("| system | out tok/s | TTFT p50 / p99 s | TPOT p50 ms | batch-1 decode tok/s |\n|---|---|---|---|---|")
+    for name, r in rows:
+        ttft = f"{r['ttft_p50']:.1f} / {r['ttft_p99']:.1f}" if "ttft_p50" in r else "-"
+        tpot = f"{r['tpot_p50']:.0f}" if "tpot_p50" in r else "-"
+        print(f"| {name} | {r['tok_s']:.1f} | {ttft} | {tpot} | {r['b1']:.1f} |")
+    if llama:
+        b1, tok, ttft = (auto[k] / llama[k] for k in ("b1", "tok_s", "ttft_p50"))
+        print(f"\nauto / llama-server: batch-1 {b1:.2f}x, throughput {tok:.2f}x, TTFT p50 {ttft:.2f}x")
+        print("targets: batch-1 >= 1, throughput >= 2, TTFT p50 <= 0.33")
+    else:
+        print("\nllama-server: no row (see above for why)")
 
-    print(f"\n{'system':<26}{'workload':<15}{'out tokens':>11}{'seconds':>9}{'out tok/s':>11}")
-    for name, wl, tok, t in rows:
-        print(f"{name:<26}{wl:<15}{tok:>11}{t:>9.1f}{tok / t:>11.1f}")
-    if not args.skip_hf:
-        ours, hf_row = rows[0], rows[-1]
-        print(f"\nthroughput ratio ours / HF static (mixed): {(ours[2] / ours[3]) / (hf_row[2] / hf_row[3]):.2f}x")
-    print(f"prefix cache speed-up (shared-prefix): {rows[2][3] / rows[1][3]:.2f}x")
+    bw, params = read_bandwidth(), weight_params(path)
+    gguf_bytes = os.path.getsize(path)
+    print(f"\nmemory roofline at {bw / 1e9:.1f} GB/s measured, {params / 1e6:.0f}M weights read per decode step:")
+    for fmt, nbytes in (("float32", params * 4), ("int8 (+ a float32 scale per 32)", params * 1.125),
+                        ("Q4_1 GGUF (whole file)", gguf_bytes)):  # fmt: skip
+        print(f"  {fmt:<34} {nbytes / 2**20:6.0f} MiB/step -> {bw / nbytes:6.1f} tok/s at batch 1")
     if args.plot:
         plot(rows, args.plot)
-    print(f"\nbatch-1 decode: {b1:.1f} tok/s ({1000 / b1:.1f} ms/step)")
-    print(
-        f"memory roofline: {weight_bytes / 2**20:.0f} MiB of weights read per step at {bw / 1e9:.1f} GB/s "
-        f"-> {roofline:.1f} tok/s; ours is {100 * b1 / roofline:.0f}% of it"
-    )
 
 
 if __name__ == "__main__":

@@ -82,7 +82,14 @@ def assert_no_leak(engine: LLMEngine) -> None:
 def test_random_mix_of_finish_abort_preempt_leaks_no_block(tiny_model_dir, seed):
     rng = random.Random(seed)
     engine = LLMEngine(
-        EngineConfig(model=tiny_model_dir, num_kv_blocks=20, block_size=8, max_num_batched_tokens=48, max_num_seqs=6)
+        EngineConfig(
+            model=tiny_model_dir,
+            num_kv_blocks=20,
+            block_size=8,
+            max_num_batched_tokens=48,
+            max_num_seqs=6,
+            quantization="none",
+        )
     )
     prefixes = [[rng.randrange(3, 256) for _ in range(16)] for _ in range(3)]
     live: set[str] = set()
@@ -111,7 +118,9 @@ def test_random_mix_of_finish_abort_preempt_leaks_no_block(tiny_model_dir, seed)
 
 
 def test_pool_exhaustion_and_back(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=8, block_size=8, max_num_seqs=16))
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, num_kv_blocks=8, block_size=8, max_num_seqs=16, quantization="none")
+    )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i in range(6):  # each grows to 5 blocks: together 30 blocks against 8
         engine.add_request(f"x{i}", [5 + i] * 10, params)

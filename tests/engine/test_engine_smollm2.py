@@ -28,7 +28,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(default_model_path(), max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=256)
+    return LLM(
+        default_model_path(),
+        dtype="float32",
+        quantization="none",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        num_kv_blocks=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +94,14 @@ def test_batched_chunked_prefix_cached(llm, prompts, expected, alone):
 
 
 def test_under_preemption(prompts, expected):
-    small = LLM(default_model_path(), max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=40)
+    small = LLM(
+        default_model_path(),
+        dtype="float32",
+        quantization="none",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        num_kv_blocks=40,
+    )
     outs = small.generate(prompts, greedy())
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.new_token_ids for o in outs] == expected

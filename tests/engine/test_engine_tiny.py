@@ -30,13 +30,20 @@ def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
 
 
 def test_alone_matches_hf(tiny_model_dir, prompts, expected):
-    llm = LLM(tiny_model_dir, num_kv_blocks=64)
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=64)
     for prompt, want in zip(prompts, expected, strict=True):
         assert llm.generate([prompt], greedy())[0].new_token_ids == want
 
 
 def test_batched_with_small_chunks_matches_hf(tiny_model_dir, prompts, expected):
-    llm = LLM(tiny_model_dir, num_kv_blocks=128, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        quantization="none",
+        num_kv_blocks=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     outs = llm.generate(prompts, greedy())
     assert [o.new_token_ids for o in outs] == expected
     assert all(o.finish_reason == "length" and o.num_output_tokens == MAX_NEW for o in outs)
@@ -49,7 +56,7 @@ def test_prefix_cache_hits_keep_tokens_exact(tiny_model_dir, tiny_hf_model):
     shared = [rng.randrange(3, 256) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in (1, 7, 20, 33)]
     want = [hf_greedy(tiny_hf_model, p, MAX_NEW) for p in prompts]
-    llm = LLM(tiny_model_dir, num_kv_blocks=128, max_num_batched_tokens=24)
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=128, max_num_batched_tokens=24)
     first = llm.generate(prompts[:1], greedy())
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(prompts[1:], greedy())
@@ -61,7 +68,7 @@ def test_prefix_cache_hits_keep_tokens_exact(tiny_model_dir, tiny_hf_model):
 
 
 def test_prefix_caching_off_reports_no_cached_tokens(tiny_model_dir, prompts, expected):
-    llm = LLM(tiny_model_dir, num_kv_blocks=128, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=128, enable_prefix_caching=False)
     outs = llm.generate([prompts[5], prompts[5]], greedy())
     assert [o.new_token_ids for o in outs] == [expected[5], expected[5]]
     assert [o.num_cached_tokens for o in outs] == [0, 0]
@@ -69,7 +76,14 @@ def test_prefix_caching_off_reports_no_cached_tokens(tiny_model_dir, prompts, ex
 
 def test_preemption_keeps_tokens_exact(tiny_model_dir, prompts, expected):
     # 24 blocks of 16 tokens cannot hold all eight sequences at once (they need ~40): the scheduler must preempt.
-    llm = LLM(tiny_model_dir, num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=8)
+    llm = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        quantization="none",
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
     outs = llm.generate(prompts, greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.new_token_ids for o in outs] == expected
@@ -78,7 +92,7 @@ def test_preemption_keeps_tokens_exact(tiny_model_dir, prompts, expected):
 
 
 def test_priority_orders_the_waiting_queue(tiny_model_dir, prompts):
-    llm = LLM(tiny_model_dir, num_kv_blocks=64, max_num_seqs=1)
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=64, max_num_seqs=1)
     engine = llm.engine
     engine.add_request("low", prompts[2], greedy(2), priority=5)
     engine.add_request("high", prompts[3], greedy(2), priority=0)
@@ -91,7 +105,7 @@ def test_priority_orders_the_waiting_queue(tiny_model_dir, prompts):
 def test_request_that_can_never_fit_is_a_clear_error(tiny_model_dir):
     from engine.llm_engine import RequestError
 
-    llm = LLM(tiny_model_dir, num_kv_blocks=4)  # 64 tokens of KV in all
+    llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=4)  # 64 tokens of KV in all
     with pytest.raises(RequestError, match="maximum context length is 64") as err:
         llm.generate([list(range(3, 63))], greedy(10))
     assert err.value.code == "context_length_exceeded"
@@ -99,7 +113,7 @@ def test_request_that_can_never_fit_is_a_clear_error(tiny_model_dir):
 
 
 def test_prefix_cache_queries_count_a_waiting_request_once(tiny_model_dir):
-    engine = LLM(tiny_model_dir, num_kv_blocks=8).engine  # 128 tokens of KV
+    engine = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=8).engine  # 128 tokens of KV
     engine.add_request("big", list(range(3, 103)), greedy(20))  # 7 blocks, then 8
     engine.step()
     engine.add_request("waits", list(range(110, 150)), greedy(1))  # needs 3 blocks: none until "big" is done

@@ -9,7 +9,7 @@ from engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
-    return LLM(tiny_model_dir, num_kv_blocks=128)
+    return LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=128)
 
 
 PROMPT = [5, 17, 99, 42, 7, 150]

@@ -83,7 +83,9 @@ def model_dir(tmp_path_factory) -> str:
 
 def make_engine(model_dir: str, **kwargs) -> LLMEngine:
     # One intra-op thread: on a shared 2-core box, torch's thread pool makes a tiny step ~30x slower.
-    return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=MAX_LEN // 16, num_threads=1, **kwargs))
+    return LLMEngine(
+        EngineConfig(model=model_dir, num_kv_blocks=MAX_LEN // 16, num_threads=1, quantization="none", **kwargs)
+    )
 
 
 @asynccontextmanager
@@ -122,7 +124,7 @@ async def served(model_dir):
 
 def greedy_reference(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy ids from the offline LLM (no server involved), to compare the HTTP path against."""
-    llm = LLM(model_dir, num_kv_blocks=64, num_threads=1)
+    llm = LLM(model_dir, dtype="float32", quantization="none", num_kv_blocks=64, num_threads=1)
     (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return out.new_token_ids
 
@@ -295,7 +297,9 @@ async def test_metrics_count_the_tokens_served(served):
 
 async def test_prefix_cache_queries_count_a_waiting_request_once(model_dir, monkeypatch):
     """A request waiting for KV blocks is looked up every step it does not fit; it still counts as one query."""
-    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=8, num_threads=1))  # 128 tokens of KV
+    engine = LLMEngine(
+        EngineConfig(model=model_dir, num_kv_blocks=8, num_threads=1, quantization="none")
+    )  # 128 tokens of KV
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: time.sleep(0.02) or step())  # the blocker runs for ~0.5 s
     async with serve(engine) as served:
@@ -640,7 +644,7 @@ def test_python_m_engine_server_serves(model_dir):
 async def test_concurrent_streams_each_get_their_own_tokens(served, model_dir):
     """Eight streams at once, batched together in the engine: each gets exactly its own greedy continuation."""
     prompts = [[(t * (i + 3) + i) % 256 for t in PROMPT] for i in range(8)]
-    llm = LLM(model_dir, num_kv_blocks=64, num_threads=1)
+    llm = LLM(model_dir, dtype="float32", quantization="none", num_kv_blocks=64, num_threads=1)
     want = [
         o.new_token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     ]

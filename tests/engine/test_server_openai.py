@@ -30,7 +30,9 @@ MAX_TOKENS = 12
 def base_url():
     """One uvicorn server for the module, on a free port, in a thread with its own event loop (lifespan starts the
     engine there)."""
-    engine = LLMEngine(EngineConfig(served_model_name=SERVED, kv_cache_memory=128 * 2**20, max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(served_model_name=SERVED, kv_cache_memory=128 * 2**20, max_model_len=2048, quantization="none")
+    )
     app = build_app(AsyncEngine(engine))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""The engine gives the same greedy tokens on the Triton (interpreted) and torch attention backends.
+"""The engine gives the same greedy tokens on the Triton (interpreted), C++ CPU and torch attention backends.
 
 A tiny random Llama (head_dim 16, GQA 2) runs mixed batches of decodes and 16-token prefill chunks, and a prompt
 that hits the prefix cache, so every kernel entry point is exercised the way the engine really calls it.
@@ -11,7 +11,7 @@ import torch
 
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
-from kernels import triton_paged
+from kernels import cpu_ops, triton_paged
 from tests.engine.tiny_llama import make_tiny_llama
 from tests.kernels.helpers import DEVICE
 
@@ -30,6 +30,7 @@ def generate(model: str, backend: str) -> tuple[list[list[int]], int]:
         model,
         device=DEVICE.type,
         dtype="float32",
+        quantization="none",
         num_kv_blocks=64,
         max_num_batched_tokens=16,
         max_num_seqs=4,
@@ -54,3 +55,14 @@ def test_triton_backend_matches_torch_in_the_engine(tiny_model, monkeypatch):
     assert got == want
     assert got_cached == want_cached == 48
     assert all(calls[name] > 0 for name in ("store_kv", "paged_decode_attention", "paged_prefill_attention"))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C++ kernels are the CPU engine's")
+def test_cpu_backend_matches_torch_in_the_engine(tiny_model, monkeypatch):
+    calls = collections.Counter()
+    fn = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a, **k: calls.update(["decode"]) or fn(*a, **k))
+    want, want_cached = generate(tiny_model, "torch")
+    got, got_cached = generate(tiny_model, "cpu")
+    assert got == want and got_cached == want_cached == 48
+    assert calls["decode"] > 0

@@ -1,0 +1,109 @@
+"""The model's projections as callables `y = proj(x)`, one class per weight format.
+
+- `DenseLinear`: the weight kept pre-transposed ([in, out], contiguous); on CPU, MKL's small-M GEMM is several times
+  faster on that layout than on F.linear's [out, in], and decode is all small-M GEMMs.
+- `Int8Linear` (float32 activations): int8 weights with one scale per 32 weights of a row (llama.cpp's Q8_0
+  grouping), widened to float32 inside our own kernel (kernels/cpu/int8_linear.cpp): a quarter of the bytes a decode
+  step reads, and no activation rounding.
+  (fbgemm's dynamic int8 linear is faster still but quantizes activations per tensor: SmolLM2's perplexity doubled,
+  down_proj's outliers alone took top-1 agreement to 73%.)
+- `Int8WeightOnlyLinear` (bfloat16 activations): int8 weights, per-channel scales, bf16 activations
+  (`aten._weight_int8pack_mm`); fast only where the CPU has native bf16, 20-100x slower with f32 activations.
+
+`make_linear` picks the class from the model's compute dtype and the quantization mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_ops import int8_linear
+
+QUANTIZATIONS = ("none", "int8", "auto")
+
+
+class DenseLinear:
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.t().contiguous()  # [in, out]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+GROUP = 32  # weights per scale, as llama.cpp's Q8_0: a row's outliers only coarsen their own group
+
+
+def _grouped_int8(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per `group` weights of a row (the whole row where `group` does not divide it):
+    weight [out, in] -> (int8 [out, in], float32 scales [out, in / group])."""
+    w = weight.float()
+    out, k = w.shape
+    g = group if k % group == 0 else k
+    scales = (w.reshape(out, k // g, g).abs().amax(dim=2) / 127).clamp(min=1e-12)
+    q = (w.reshape(out, k // g, g) / scales[:, :, None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(out, k), scales
+
+
+def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    out, k = q.shape
+    return (q.reshape(out, scales.shape[1], -1).float() * scales[:, :, None]).reshape(out, k)
+
+
+class Int8Linear:
+    """int8 weights, float32 activations. Decode-sized batches (<= SMALL_M rows) run the weight-only kernel, which
+    reads each int8 row once; bigger ones (prefill chunks) are compute-bound, so the weight is widened to float32 for
+    that call and MKL does the GEMM."""
+
+    __slots__ = ("weight", "scales")
+    SMALL_M = 8
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.scales = _grouped_int8(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.SMALL_M:
+            return int8_linear(x, self.weight, self.scales)
+        return x @ _dequantize(self.weight, self.scales).t()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * 4
+
+
+class Int8WeightOnlyLinear:
+    __slots__ = ("weight", "scales")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.float()  # aten's int8pack kernel takes one scale per output channel
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.weight = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scales = scales.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16, "int8 weight-only matmul needs bf16 activations"
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * 2
+
+
+Linear = DenseLinear | Int8Linear | Int8WeightOnlyLinear
+
+
+def make_linear(weight: torch.Tensor, dtype: torch.dtype, quantization: str) -> Linear:
+    """weight: [out, in] in torch's layout, already in `dtype` on its device."""
+    assert quantization in ("none", "int8"), f"resolve quantization {quantization!r} before building the model"
+    if quantization == "none":
+        return DenseLinear(weight)
+    assert weight.device.type == "cpu", "int8 projections are CPU kernels"
+    if dtype == torch.bfloat16:
+        return Int8WeightOnlyLinear(weight)
+    assert dtype == torch.float32, f"int8 with {dtype} activations has no fast CPU kernel"
+    return Int8Linear(weight)

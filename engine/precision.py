@@ -1,0 +1,108 @@
+"""Which compute dtype and weight format run fastest on this machine, decided once at start.
+
+`--dtype auto` on CPU: bfloat16 only where the CPU has native bf16 (avx512_bf16 / amx_bf16 in its flags) and a short
+probe matmul at the model's own shape confirms it beats float32; without native bf16 a bf16 GEMM is emulated and
+20-200x slower. `--quantization auto` on CPU: int8 weights where the int8 kernel for that dtype exists and its probe
+beats the dense one at decode's shape (one row). CUDA keeps bf16 and dense weights. Every decision is logged with the
+probe's numbers so a slow start is explainable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from engine.linear import make_linear
+from kernels import cpu_ops
+
+log = logging.getLogger("tokenweir.engine")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROBE_SECONDS = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    dtype: torch.dtype
+    quantization: str  # none | int8
+    reason: str
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_native_bf16(flags: set[str] | None = None) -> bool:
+    return bool((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
+
+
+def _ms_per_call(fn, budget_s: float = PROBE_SECONDS) -> float:
+    fn()  # first call packs / warms caches
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget_s or calls < 3:
+        fn()
+        calls += 1
+    return elapsed / calls * 1e3
+
+
+def _probe_weights(shape: tuple[int, int]) -> list[torch.Tensor]:
+    """Enough [out, in] weights to spill the caches (>= 64 MiB as float32): a decode step reads its weights from
+    memory, so a probe on one cache-resident weight would flatter the format that reads more bytes."""
+    count = max(2, -(-(64 * 2**20) // (shape[0] * shape[1] * 4)))
+    return [torch.randn(shape[1], shape[0]) * 0.05 for _ in range(count)]
+
+
+def _probe(dtype: torch.dtype, quantization: str, rows: int, weights: list[torch.Tensor]) -> float:
+    linears = [make_linear(w.to(dtype), dtype, quantization) for w in weights]
+    x = torch.randn(rows, weights[0].shape[1]).to(dtype)
+    return _ms_per_call(lambda: [linear(x) for linear in linears]) / len(linears)
+
+
+@cache
+def resolve(dtype: str, quantization: str, device: torch.device, shape: tuple[int, int]) -> Precision:
+    """shape: (in, out) of the model's widest per-layer projection, the one that dominates a step. Cached: a process
+    that builds several engines probes once."""
+    if device.type != "cpu":
+        resolved = torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
+        assert quantization in ("none", "auto"), "int8 weights are CPU kernels: use --quantization none on CUDA"
+        return Precision(resolved, "none", f"{device.type}: {resolved}, dense weights")
+    notes = []
+    if dtype == "auto":
+        resolved = torch.float32
+        if not has_native_bf16():
+            notes.append("float32 (no native bf16 in the CPU flags)")
+        else:
+            weights = _probe_weights(shape)
+            f32, bf16 = _probe(torch.float32, "none", 16, weights), _probe(torch.bfloat16, "none", 16, weights)
+            resolved = torch.bfloat16 if bf16 * 1.2 < f32 else torch.float32
+            notes.append(f"{resolved} (probe 16x{shape[0]}x{shape[1]}: bf16 {bf16:.3f} ms, f32 {f32:.3f} ms)")
+    else:
+        resolved = DTYPES[dtype]
+        notes.append(f"{resolved} (asked)")
+    quant = quantization
+    if quantization == "auto":
+        quant = "none"
+        if resolved not in (torch.float32, torch.bfloat16):
+            notes.append(f"dense weights (no int8 kernel for {resolved})")
+        elif resolved == torch.float32 and cpu_ops.load() is None:
+            notes.append("dense weights (the int8 kernel could not be built here)")
+        else:
+            weights = _probe_weights(shape)
+            dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
+            quant = "int8" if int8 * 1.1 < dense else "none"
+            notes.append(f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)")
+    elif quantization == "int8":
+        assert resolved in (torch.float32, torch.bfloat16), f"int8 weights need float32 or bfloat16, not {resolved}"
+        notes.append("int8 weights (asked)")
+    return Precision(resolved, quant, "; ".join(notes))

@@ -1,0 +1,62 @@
+"""The CPU kernels in kernels/cpu/ (int8 weight-only GEMM, paged decode attention), compiled once per machine with
+the local C++ compiler.
+
+torch.utils.cpp_extension caches the build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so only the first
+load on a machine pays the ~1 minute compile (scripts/setup.sh does it); it is logged. `-march=native` picks AVX2/FMA
+where the CPU has them; elsewhere the kernels' scalar loops run. `load()` returns None where there is no compiler, and
+the engine then keeps dense weights and the torch attention.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from functools import cache
+
+import torch
+
+log = logging.getLogger("tokenweir.engine")
+SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.cpp")))
+
+
+@cache
+def load():
+    """The compiled module, or None where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    started = time.monotonic()
+    log.info("CPU kernels: loading (compiled on first use on this machine, ~1 min)")
+    try:
+        module = cpp_extension.load(
+            name="tokenweir_cpu_ops",
+            sources=SOURCES,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or the build failed
+        log.warning("CPU kernels unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    log.info("CPU kernels ready in %.1fs", time.monotonic() - started)
+    return module
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, weight [N, K] int8, scales [N, groups] float32 -> [M, N] float32."""
+    module = load()
+    assert module is not None, "the CPU kernels could not be built on this machine"
+    return module.int8_linear(x, weight, scales)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as kernels.reference.paged_decode_attention, float32 only."""
+    return load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

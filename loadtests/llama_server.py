@@ -1,0 +1,122 @@
+"""llama-server as a peer: built once from the llama.cpp source vendored in the llama-cpp-python sdist, then started
+on a free port with the same GGUF our engine loads.
+
+    .venv/bin/python loadtests/llama_server.py --build     # ~15 min on 2 cores; cached afterwards
+
+The build is native (this CPU's own instruction set), CPU only, into a cache outside the repository
+(`$TOKENWEIR_CACHE` or ~/.cache/tokenweir). Every step prints what it runs; a failure says why and returns None so the
+benchmark can skip the row instead of dying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+
+SDIST = "llama-cpp-python==0.3.36"
+CACHE = os.environ.get("TOKENWEIR_CACHE", os.path.expanduser("~/.cache/tokenweir"))
+BINARY = os.path.join(CACHE, "llama.cpp-0.3.36", "build", "bin", "llama-server")
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True)
+
+
+def build(jobs: int | None = None) -> str | None:
+    """Return the path of a built llama-server, building it if the cache lacks one; None (with the reason printed)
+    when the toolchain or the download is missing."""
+    if os.path.exists(BINARY):
+        return BINARY
+    for tool in ("cmake", "ninja", "g++"):
+        if shutil.which(tool) is None:
+            print(f"llama-server: skipped, {tool} is not installed", file=sys.stderr)
+            return None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(BINARY)))
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+        sdists = glob.glob(os.path.join(CACHE, "llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", CACHE])
+            sdists = glob.glob(os.path.join(CACHE, "llama_cpp_python-*.tar.gz"))
+        if not os.path.isdir(os.path.join(root, "ggml")):
+            print(f"unpacking vendor/llama.cpp from {os.path.basename(sdists[0])}", flush=True)
+            with tarfile.open(sdists[0]) as tar:
+                prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+                for m in members:
+                    m.name = m.name[len(prefix) :]
+                tar.extractall(root, members=[m for m in members if m.name], filter="data")
+        started = time.monotonic()
+        _run(
+            [
+                "cmake", "-S", root, "-B", os.path.join(root, "build"), "-G", "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+            ]
+        )  # fmt: skip
+        _run(
+            [
+                "cmake",
+                "--build",
+                os.path.join(root, "build"),
+                "--target",
+                "llama-server",
+                "-j",
+                str(jobs or os.cpu_count()),
+            ]
+        )
+        print(f"llama-server built in {time.monotonic() - started:.0f}s: {BINARY}", flush=True)
+    except (subprocess.CalledProcessError, OSError, IndexError, tarfile.TarError, urllib.error.URLError) as exc:
+        print(f"llama-server: skipped, the build failed: {exc}", file=sys.stderr)
+        return None
+    return BINARY if os.path.exists(BINARY) else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(
+    binary: str, model: str, parallel: int, threads: int, ctx_per_slot: int = 1400
+) -> tuple[subprocess.Popen, str]:
+    """Start llama-server with `parallel` slots and wait until /health answers; returns (process, base URL)."""
+    port = free_port()
+    cmd = [
+        binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel), "-t", str(threads),
+        "-c", str(ctx_per_slot * parallel), "--timeout", "3600", "--no-webui",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("llama-server did not become healthy in 120 s")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true")
+    ap.add_argument("--jobs", type=int, default=None)
+    args = ap.parse_args()
+    path = build(args.jobs)
+    print(path or "no llama-server")
+    sys.exit(0 if path else 1)

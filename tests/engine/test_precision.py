@@ -1,0 +1,59 @@
+"""Choosing the compute format: `auto` never picks emulated bf16, explicit choices are kept, and every format the
+engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model to logits close to HF's float32."""
+
+import torch
+
+from engine.llm_engine import LLM
+from engine.loader import load_model_weights
+from engine.model import LlamaForCausalLM
+from engine.perplexity import window_logprobs
+from engine.precision import cpu_flags, has_native_bf16, resolve
+from engine.sampling_params import SamplingParams
+
+SHAPE = (576, 3072)
+
+
+def test_auto_picks_float32_on_a_cpu_without_native_bf16_and_says_why():
+    choice = resolve("auto", "none", torch.device("cpu"), SHAPE)
+    if not has_native_bf16(cpu_flags()):
+        assert choice.dtype == torch.float32 and "no native bf16" in choice.reason
+    else:
+        assert choice.dtype in (torch.float32, torch.bfloat16) and "probe" in choice.reason
+
+
+def test_auto_quantization_reports_the_probe_it_decided_on():
+    choice = resolve("float32", "auto", torch.device("cpu"), SHAPE)
+    assert choice.quantization in ("none", "int8")
+    assert "probe 1x576x3072" in choice.reason and "int8" in choice.reason
+
+
+def test_explicit_choices_are_kept():
+    assert resolve("float32", "none", torch.device("cpu"), SHAPE).quantization == "none"
+    assert resolve("float32", "int8", torch.device("cpu"), SHAPE).quantization == "int8"
+    assert resolve("bfloat16", "none", torch.device("cpu"), SHAPE).dtype == torch.bfloat16
+
+
+def test_every_format_gives_logits_close_to_hf_float32(tiny_model_dir, tiny_hf_model):
+    config, state = load_model_weights(tiny_model_dir)
+    prompt = list(range(3, 60))
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    expected = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for dtype, quantization, tolerance in [
+        (torch.float32, "none", 1e-5),
+        (torch.float32, "int8", 0.02),
+        (torch.bfloat16, "none", 0.02),
+        (torch.bfloat16, "int8", 0.03),
+    ]:
+        model = LlamaForCausalLM(config, state, dtype, "cpu", None, 1024, quantization)
+        ours, _ = window_logprobs(model, prompt, chunk=16)
+        relative_error = ((ours - expected).abs().mean() / expected.abs().mean()).item()  # the random model is sharp
+        assert relative_error < tolerance, (dtype, quantization, relative_error)
+
+
+def test_an_int8_engine_serves_requests_end_to_end(tiny_model_dir):
+    llm = LLM(tiny_model_dir, quantization="int8", num_kv_blocks=32, max_num_batched_tokens=16)
+    assert llm.engine.precision.quantization == "int8"
+    outs = llm.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.num_output_tokens for o in outs] == [8, 8]
+    assert llm.engine.block_manager.num_free_blocks == 32  # every block back (cached prefixes stay evictable)

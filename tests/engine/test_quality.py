@@ -1,0 +1,87 @@
+"""Faster formats keep the model's quality: on a fixed English text shipped with the tests (the GFDL 1.3, ~5k
+tokens), each weight format's perplexity is within 3% of float32's and its greedy top-1 prediction agrees with
+float32's at >= 95% of positions. The float32 perplexity itself is checked against HF transformers' loss on the same
+GGUF weights, so the yardstick is not ours alone."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from engine.config import default_model_path
+from engine.loader import load_model_weights
+from engine.model import LlamaForCausalLM
+from engine.perplexity import perplexity, window_logprobs
+from engine.precision import has_native_bf16
+from engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "gfdl-1.3.txt")
+TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return load_model_weights(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[int]:
+    with open(CORPUS) as f:
+        ids = Tokenizer.from_gguf(default_model_path()).encode(f.read())
+    assert len(ids) > TOKENS
+    return ids[:TOKENS]
+
+
+@pytest.fixture(scope="module")
+def float32_result(weights, corpus):
+    config, state = weights
+    return perplexity(LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "none"), corpus)
+
+
+def test_float32_log_likelihood_equals_hf_transformers_loss(weights, corpus):
+    from transformers import AutoModelForCausalLM
+
+    config, state = weights
+    window = corpus[:256]
+    ours, _ = window_logprobs(LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "none"), window)
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
+    )
+    with torch.inference_mode():
+        ids = torch.tensor([window])
+        loss = hf(ids, labels=ids).loss.item()
+    assert math.isclose(-ours.double().mean().item(), loss, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [
+        (torch.float32, "int8"),
+        pytest.param(
+            torch.bfloat16,
+            "none",
+            marks=pytest.mark.skipif(
+                not has_native_bf16(), reason="no native bf16 on this CPU: emulated, 20-200x slow"
+            ),
+        ),
+        pytest.param(
+            torch.bfloat16,
+            "int8",
+            marks=pytest.mark.skipif(
+                not has_native_bf16(), reason="no native bf16 on this CPU: emulated, 20-200x slow"
+            ),
+        ),
+    ],
+)
+def test_format_stays_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, dtype, quantization):
+    config, state = weights
+    base_ppl, base_top1 = float32_result
+    model = LlamaForCausalLM(config, state, dtype, "cpu", None, 2048, quantization)
+    ppl, top1 = perplexity(model, corpus)
+    agreement = (top1 == base_top1).float().mean().item()
+    print(f"{dtype} {quantization}: perplexity {ppl:.3f} vs float32 {base_ppl:.3f}, top-1 agreement {agreement:.3f}")
+    assert ppl <= base_ppl * 1.03
+    assert agreement >= 0.95
