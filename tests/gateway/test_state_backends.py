@@ -7,7 +7,6 @@ runs the Lua scripts against policies.rate / policies.budget, the Python copy of
 """
 
 import asyncio
-import uuid
 from datetime import UTC, datetime
 
 import pytest
@@ -16,36 +15,7 @@ from gateway.state import InMemoryState
 from gateway.state_redis import RedisState
 from policies.decisions import Rejected
 from policies.limits import TeamLimits
-from tests.conftest import require_service
-
-URL = "redis://127.0.0.1:6379/0"
-NOW = datetime(2026, 5, 10, 12, 0, tzinfo=UTC).timestamp()
-
-
-class Clock:
-    def __init__(self, t: float = NOW) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def redis_prefix():
-    """A fresh key prefix on the real Redis, its keys deleted afterwards."""
-    import redis
-
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.RedisError as err:
-        require_service("redis", f"{URL}: {err}")
-    name = f"twtest-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = list(client.scan_iter(f"{name}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+from tests.gateway.state_support import NOW, URL, Clock
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -6,8 +6,6 @@ backends share is tested once, on both, in test_state_backends.py."""
 import asyncio
 import copy
 import random
-import uuid
-from datetime import UTC, datetime
 
 import pytest
 
@@ -15,41 +13,13 @@ from gateway.state import InMemoryState
 from gateway.state_redis import RedisState
 from policies.decisions import Rejected
 from policies.limits import TeamLimits
-from tests.conftest import require_service
-
-URL = "redis://127.0.0.1:6379/0"
-NOW = datetime(2026, 5, 10, 12, 0, tzinfo=UTC).timestamp()
-
-
-class Clock:
-    def __init__(self, t: float = NOW) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.gateway.state_support import NOW, URL, Clock
 
 
 @pytest.fixture
-def prefix():
-    import redis
-
-    client = redis.Redis.from_url(URL)
-    try:
-        client.ping()
-    except redis.RedisError as err:
-        require_service("redis", f"{URL}: {err}")
-    name = f"twtest-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = list(client.scan_iter(f"{name}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-@pytest.fixture
-async def replicas(prefix):
+async def replicas(redis_prefix):
     clock = Clock()
-    states = [RedisState(URL, prefix=prefix, clock=clock) for _ in range(2)]
+    states = [RedisState(URL, prefix=redis_prefix, clock=clock) for _ in range(2)]
     yield states, clock
     for s in states:
         await s.close()
@@ -69,9 +39,9 @@ async def test_a_settle_on_another_replica_is_a_no_op(replicas):
     assert (snap["reserved_tokens"], snap["open_reservations"], snap["remaining_month"]) == (0, 0, 4850)
 
 
-async def test_a_dead_replicas_holds_are_reaped_after_the_lease(prefix):
-    dead = RedisState(URL, prefix=prefix, lease_s=30)
-    live = RedisState(URL, prefix=prefix, lease_s=30)
+async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_prefix):
+    dead = RedisState(URL, prefix=redis_prefix, lease_s=30)
+    live = RedisState(URL, prefix=redis_prefix, lease_s=30)
     limits = TeamLimits(tokens_per_day=2000)
     slow = await dead.reserve("t", limits, 400, 1600, now=NOW)  # not settled within its lease
     with pytest.raises(Rejected):
@@ -88,10 +58,10 @@ async def test_a_dead_replicas_holds_are_reaped_after_the_lease(prefix):
     await live.close()
 
 
-async def test_slots_are_shared_and_leases_lapse(prefix):
+async def test_slots_are_shared_and_leases_lapse(redis_prefix):
     clock = Clock()
-    a = RedisState(URL, prefix=prefix, lease_s=30, clock=clock)
-    b = RedisState(URL, prefix=prefix, lease_s=30, clock=clock)
+    a = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
+    b = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
     assert [await a.acquire_slot("t", 3), await b.acquire_slot("t", 3), await a.acquire_slot("t", 3)] == [True] * 3
     assert not await b.acquire_slot("t", 3)
     assert a.snapshot("t")["in_flight"] == 3
@@ -127,13 +97,13 @@ async def test_seed_spend_never_overwrites_live_counters(replicas):
 
 
 @pytest.mark.parametrize("seed", range(3))
-async def test_parity_with_in_memory_state(prefix, seed):
+async def test_parity_with_in_memory_state(redis_prefix, seed):
     """The window and budget arithmetic exists twice: in Lua (gateway/state_redis_lua.py, it runs inside Redis) and
     once in Python (policies.rate: SlidingWindow, slot_index, oldest_counted_slot, slot_leaves_window_s;
     policies.budget: Budget, period_bounds; views from policies.snapshot). Random traffic must get the same
     decisions, headers and counters from both."""
     rng = random.Random(seed)
-    redis_state, memory = RedisState(URL, prefix=prefix), InMemoryState()
+    redis_state, memory = RedisState(URL, prefix=redis_prefix), InMemoryState()
     limits = TeamLimits(rpm=40, tpm=3000, tokens_per_day=5000, tokens_per_month=8000)
     held = []
     now = NOW
@@ -167,9 +137,9 @@ async def test_parity_with_in_memory_state(prefix, seed):
     await redis_state.close()
 
 
-async def test_background_renewal_keeps_live_leases_past_their_first_expiry(prefix):
-    state = RedisState(URL, prefix=prefix, lease_s=0.15)  # real clock; renewed every 50 ms
-    other = RedisState(URL, prefix=prefix, lease_s=0.15)
+async def test_background_renewal_keeps_live_leases_past_their_first_expiry(redis_prefix):
+    state = RedisState(URL, prefix=redis_prefix, lease_s=0.15)  # real clock; renewed every 50 ms
+    other = RedisState(URL, prefix=redis_prefix, lease_s=0.15)
     assert await state.acquire_slot("t", 1)
     await asyncio.sleep(0.35)  # over two leases later the slot is still held: no one else gets it
     assert not await other.acquire_slot("t", 1)
