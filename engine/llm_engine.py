@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_path
 from engine.loader import load_model_weights
@@ -107,11 +108,46 @@ class LLMEngine:
         )
 
     def _blocks_from_memory(self, block_bytes: int, device: torch.device) -> int:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-            return max(int(budget // block_bytes), 0)
-        return self.config.kv_cache_memory // block_bytes
+        if device.type != "cuda":
+            return self.config.kv_cache_memory // block_bytes
+        # As nano-vllm: the weights are on the device already; a warm-up forward of the largest step measures the
+        # activations' peak, and the pool gets what is left of gpu_memory_utilization after both.
+        activation_peak = self._warmup_peak_bytes(device)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - self.config.gpu_memory_utilization) * total - activation_peak
+        return max(int(budget // block_bytes), 0)
+
+    def _warmup_peak_bytes(self, device: torch.device) -> int:
+        """Peak bytes allocated above the weights by one prefill of max_num_batched_tokens (a throwaway KV pool)."""
+        cfg, bs = self.model_config, self.config.block_size
+        tokens = min(self.config.max_num_batched_tokens, cfg.max_position_embeddings)
+        blocks = -(-tokens // bs)
+        shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        dtype = self.precision.dtype
+        kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_layers)]  # fmt: skip
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        positions = torch.arange(tokens, device=device)
+        meta = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=device),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            prefill_block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None, :],
+            prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+            prefill_max_q=tokens,
+        )
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.model.forward(ids, positions, kv, meta, torch.tensor([tokens - 1], device=device))
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del kv, meta
+        torch.cuda.empty_cache()
+        log.info("warm-up: %d tokens, activation peak %.0f MiB", tokens, peak / 2**20)
+        return peak
 
     @staticmethod
     def _load_tokenizer(path: str) -> Tokenizer | None:

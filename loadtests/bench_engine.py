@@ -96,20 +96,6 @@ async def run_served(url: str, model: str, work, label: str) -> dict:
     }
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, deadline_s: float = 600) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
-
-
 def served_model(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         return orjson.loads(r.read())["data"][0]["id"]
@@ -127,7 +113,7 @@ def measure_ours(model_path: str, dtype: str, quantization: str, threads: int, w
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url)
+        llama_server.wait_healthy(proc, url, 600)
         with open(log_path) as f:
             precision = next((line for line in f if "precision:" in line), "")
         reason = precision.split("precision:", 1)[1].split('"')[0].strip() if precision else "?"

@@ -98,18 +98,27 @@ def start(
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    try:
+        wait_healthy(proc, url, 120)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, deadline_s: float) -> None:
+    """Poll url/health until it answers 200; RuntimeError if the process exits or the deadline passes."""
+    deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, url
+                    return
         except OSError:
             time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server did not become healthy in 120 s")
+    raise RuntimeError(f"{url} did not become healthy in {deadline_s:.0f} s")
 
 
 if __name__ == "__main__":
