@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
 from engine.linear import make_linear
+from kernels import cpu_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,11 +61,16 @@ class DecoderLayer:
         self.down_proj = make_linear(weights["down_proj"], dtype, quantization)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # The "cpu" attention backend brings C++ element-wise kernels too: one call each for the norms, RoPE and
+        # SiLU-gating instead of ~30 tiny torch ops per layer, whose dispatch dominates a batch-1 step.
+        self.fused = cpu_ops.load() if attention.backend == "cpu" and dtype == torch.float32 else None
 
     def projections(self) -> list:
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def __call__(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused is not None:
+            return self._fused_call(hidden, cos, sin, k_cache, v_cache, meta)
         cfg = self.config
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv_proj(x)
@@ -79,6 +85,26 @@ class DecoderLayer:
         x = rms_norm(hidden, self.post_attention_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
+
+
+    def _fused_call(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, ops = self.config, self.fused
+        qkv = self.qkv_proj(ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps))
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        ops.rope_(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)  # q and k heads, in place
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        attn = self.attention(
+            q.view(-1, cfg.num_heads, cfg.head_dim),
+            k.view(-1, cfg.num_kv_heads, cfg.head_dim),
+            v.view(-1, cfg.num_kv_heads, cfg.head_dim),
+            k_cache,
+            v_cache,
+            meta,
+        )
+        hidden = hidden + self.o_proj(attn.reshape(-1, self.q_size))
+        gated = ops.silu_mul(self.gate_up_proj(ops.rms_norm(hidden, self.post_attention_norm, cfg.rms_norm_eps)))
+        return hidden + self.down_proj(gated)
 
 
 class LlamaForCausalLM:
@@ -123,7 +149,9 @@ class LlamaForCausalLM:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
-        hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
+        fused = self.layers[0].fused if self.layers else None
+        norm = fused.rms_norm if fused is not None else rms_norm
+        hidden = norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden).float()
 
     def weight_bytes_per_step(self) -> int:

@@ -21,30 +21,36 @@ static inline float hsum(__m256 v) {
 }
 
 template <int MT>
-static inline void rows_dot(const float* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y, int64_t N) {
+static inline void rows_dot(const float* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
+                            int64_t N) {
   // U independent accumulators per row hide the FMA latency when few rows share a weight vector.
   constexpr int U = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
   __m256 acc[U][MT];
+  float tail[MT] = {};
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < MT; ++r) acc[u][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * U <= K; k += 8 * U) {
-    for (int u = 0; u < U; ++u) {
-      const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8 * u));
-      const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), _mm256_set1_ps(scale[(k + 8 * u) / G]));
-      for (int r = 0; r < MT; ++r) acc[u][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wv, acc[u][r]);
+  // One group of G weights shares a scale: widened weights are scaled once and reused by every row.
+  for (int64_t g0 = 0, group = 0; g0 < K; g0 += G, ++group) {
+    const __m256 sv = _mm256_set1_ps(scale[group]);
+    int64_t k = g0;
+    for (; k + 8 * U <= g0 + G; k += 8 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8 * u));
+        const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), sv);
+        for (int r = 0; r < MT; ++r) acc[u][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wv, acc[u][r]);
+      }
     }
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k));
-    const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), _mm256_set1_ps(scale[k / G]));
-    for (int r = 0; r < MT; ++r) acc[0][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[0][r]);
+    for (; k + 8 <= g0 + G; k += 8) {
+      const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k));
+      const __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), sv);
+      for (int r = 0; r < MT; ++r) acc[0][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[0][r]);
+    }
+    for (; k < g0 + G; ++k)  // a group that is not a multiple of 8 wide (a whole odd-sized row)
+      for (int r = 0; r < MT; ++r) tail[r] += x[r * K + k] * static_cast<float>(w[k]) * scale[group];
   }
   for (int r = 0; r < MT; ++r) {
     for (int u = 1; u < U; ++u) acc[0][r] = _mm256_add_ps(acc[0][r], acc[u][r]);
-    float s = hsum(acc[0][r]);
-    for (int64_t j = k; j < K; ++j) s += x[r * K + j] * static_cast<float>(w[j]) * scale[j / G];
-    y[r * N] = s;
+    y[r * N] = hsum(acc[0][r]) + tail[r];
   }
 }
 #else

@@ -1,7 +1,8 @@
 """The C++ CPU kernels against torch: the int8 weight-only GEMM equals float32 matmul on the same dequantized weights
 for every small M (its register tiles of 4, 3, 2, 1 rows), grouped and per-row scales, and K with a tail past the
 vector width; Int8Linear answers the same on both of its paths; the paged decode attention equals the torch
-reference for GQA, scattered blocks, partial last blocks and empty rows."""
+reference for GQA, scattered blocks, partial last blocks and empty rows; the fused RMSNorm, RoPE and SiLU-gating equal
+the model's torch code."""
 
 import pytest
 import torch
@@ -65,3 +66,28 @@ def test_paged_decode_attention_equals_the_torch_reference(num_heads, num_kv_hea
     got = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[2] == 0).all()  # an empty row stays zero, as on the Triton backend
+
+
+def test_fused_elementwise_kernels_equal_the_torch_layer_code():
+    from engine.model import apply_rope, rms_norm
+
+    ops = load()
+    g = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(7, 576, generator=g), torch.randn(576, generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * head_dim, generator=g)
+    cos, sin = torch.randn(7, head_dim, generator=g), torch.randn(7, head_dim, generator=g)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q = apply_rope(q.reshape(7, heads, head_dim), cos, sin)
+    want_k = apply_rope(k.reshape(7, kv_heads, head_dim), cos, sin)
+    want_v = v.clone()
+    ops.rope_(qkv, cos, sin, heads + kv_heads, head_dim)
+    torch.testing.assert_close(q.reshape(7, heads, head_dim), want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k.reshape(7, kv_heads, head_dim), want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(v, want_v)  # values are not rotated
+
+    gate_up = torch.randn(7, 2 * 1536, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
