@@ -86,7 +86,6 @@ class DecoderLayer:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
 
-
     def _fused_call(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         cfg, ops = self.config, self.fused
         qkv = self.qkv_proj(ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps))
