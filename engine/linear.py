@@ -61,7 +61,7 @@ class Int8Linear:
     that call and MKL does the GEMM."""
 
     __slots__ = ("weight", "scales")
-    SMALL_M = 8
+    SMALL_M = 64  # the kernel beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight, self.scales = _grouped_int8(weight)

@@ -105,7 +105,8 @@ def measure_ours(model_path: str, dtype: str, quantization: str, threads: int, w
     port = llama_server.free_port()
     cmd = [
         sys.executable, "-m", "engine.server", "--model", model_path, "--port", str(port), "--dtype", dtype,
-        "--quantization", quantization, "--num-threads", str(threads), "--max-num-seqs", str(CONCURRENCY),
+        "--quantization", quantization, *(["--num-threads", str(threads)] if threads else []),
+        "--max-num-seqs", str(CONCURRENCY),
         "--kv-cache-memory", "2GiB", "--log-level", "info",
     ]  # fmt: skip
     log_path = f"/tmp/tokenweir-bench-engine-{port}.log"
@@ -214,7 +215,8 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--quick", action="store_true", help="prompts 32-256, outputs 16-64")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t and HF's threads")
+    ap.add_argument("--engine-threads", type=int, default=0, help="ours; 0 = its serving default (cores - 1)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--plot", default="", help="also draw the table (PNG path)")
@@ -226,9 +228,9 @@ def main() -> None:
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(o for _, o in work)} output "
           f"tokens; threads {args.threads}", flush=True)  # fmt: skip
     rows: list[tuple[str, dict]] = []
-    f32, _ = measure_ours(path, "float32", "none", args.threads, work)
+    f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
     rows.append(("tokenweir engine (f32)", f32))
-    auto, reason = measure_ours(path, "auto", "auto", args.threads, work)
+    auto, reason = measure_ours(path, "auto", "auto", args.engine_threads, work)
     rows.append(("tokenweir engine (auto)", auto))
     llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     if llama:
