@@ -201,7 +201,7 @@ def plot(rows: list[tuple[str, dict]], path: str) -> None:
     ):
         values = [r.get(key) or 0 for _, r in rows]
         bars = ax.bar(range(len(rows)), values, color=colors)
-        ax.bar_label(bars, fmt="%.1f")
+        ax.bar_label(bars, labels=[f"{r[key]:.1f}" if key in r else "n/a" for _, r in rows])
         ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
         ax.set_title(title)
     fig.suptitle("SmolLM2-135M (Q4_1 GGUF), same CPU, one system at a time")
