@@ -24,6 +24,22 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [P], cached + computed + this chunk
     prefill_max_q: int = 0  # longest chunk: sizes the Triton grid without a device->host sync
 
+    @classmethod
+    def one_prefill(cls, start: int, end: int, num_blocks: int, device: torch.device | str = "cpu"):
+        """Positions [start, end) of one sequence whose blocks are 0..num_blocks-1 in order (slot == position): the
+        layout of a throwaway KV pool (warm-up, perplexity), not of the engine's shared one."""
+        positions = torch.arange(start, end, device=device)
+        return cls(
+            slot_mapping=positions,
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=device),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            prefill_cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            prefill_max_q=end - start,
+        )
+
 
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str | None = None) -> None:

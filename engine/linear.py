@@ -80,10 +80,9 @@ class Int8WeightOnlyLinear:
     __slots__ = ("weight", "scales")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.float()  # aten's int8pack kernel takes one scale per output channel
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.weight = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scales = scales.to(torch.bfloat16)
+        # aten's int8pack kernel takes one scale per output channel: a group as wide as the row.
+        self.weight, scales = _grouped_int8(weight, group=weight.shape[1])
+        self.scales = scales[:, 0].to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.bfloat16, "int8 weight-only matmul needs bf16 activations"

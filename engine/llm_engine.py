@@ -119,29 +119,14 @@ class LLMEngine:
 
     def _warmup_peak_bytes(self, device: torch.device) -> int:
         """Peak bytes allocated above the weights by one prefill of max_num_batched_tokens (a throwaway KV pool)."""
-        cfg, bs = self.model_config, self.config.block_size
-        tokens = min(self.config.max_num_batched_tokens, cfg.max_position_embeddings)
-        blocks = -(-tokens // bs)
-        shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        dtype = self.precision.dtype
-        kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(cfg.num_layers)]  # fmt: skip
+        tokens = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        kv = self.model.scratch_kv(tokens, self.config.block_size)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        positions = torch.arange(tokens, device=device)
-        meta = AttentionMetadata(
-            slot_mapping=positions.clone(),
-            num_decode_tokens=0,
-            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=device),
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None, :],
-            prefill_cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-            prefill_context_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-            prefill_max_q=tokens,
-        )
+        meta = AttentionMetadata.one_prefill(0, tokens, len(kv[0][0]), device)
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.model.forward(ids, positions, kv, meta, torch.tensor([tokens - 1], device=device))
+        self.model.forward(ids, meta.slot_mapping, kv, meta, torch.tensor([tokens - 1], device=device))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
         del kv, meta

@@ -153,6 +153,18 @@ class LlamaForCausalLM:
         hidden = norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden).float()
 
+    def scratch_kv(self, tokens: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A zeroed KV pool of its own for one sequence of `tokens` (per layer K and V, the engine's block layout)."""
+        cfg, like = self.config, self.rope_cos
+        shape = (-(-tokens // block_size), block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=like.dtype, device=like.device),
+                torch.zeros(shape, dtype=like.dtype, device=like.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads (every projection once; embeddings are row lookups)."""
         projections = [p for layer in self.layers for p in layer.projections()] + [self.lm_head]

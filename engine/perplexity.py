@@ -16,39 +16,20 @@ from engine.attention import AttentionMetadata
 from engine.model import LlamaForCausalLM
 
 
-def _kv_pool(model: LlamaForCausalLM, tokens: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    cfg = model.config
-    dtype = model.rope_cos.dtype
-    shape = (-(-tokens // block_size), block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
-
-
 @torch.inference_mode()
 def window_logprobs(
     model: LlamaForCausalLM, token_ids: list[int], chunk: int = 128, block_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For one window: (log p(token[i+1] | token[:i+1]) for every i, top-1 prediction at every i)."""
     n = len(token_ids)
-    kv = _kv_pool(model, n, block_size)
-    block_table = torch.arange(len(kv[0][0]), dtype=torch.int32)[None, :]
-    empty = torch.zeros((0, 1), dtype=torch.int32)
+    kv = model.scratch_kv(n, block_size)
     targets = torch.tensor(token_ids[1:])
     logprobs, top1 = [], []
     for start in range(0, n - 1, chunk):
         end = min(start + chunk, n - 1)
-        positions = torch.arange(start, end)
-        meta = AttentionMetadata(
-            slot_mapping=positions.clone(),  # block i holds positions [i*bs, (i+1)*bs): slot == position
-            num_decode_tokens=0,
-            decode_block_tables=empty,
-            decode_context_lens=torch.zeros(0, dtype=torch.int32),
-            prefill_block_tables=block_table,
-            prefill_cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
-            prefill_context_lens=torch.tensor([end], dtype=torch.int32),
-            prefill_max_q=end - start,
-        )
+        meta = AttentionMetadata.one_prefill(start, end, len(kv[0][0]))
         inputs = torch.tensor(token_ids[start:end])
-        logits = model.forward(inputs, positions, kv, meta, torch.arange(end - start))
+        logits = model.forward(inputs, meta.slot_mapping, kv, meta, torch.arange(end - start))
         logp = F.log_softmax(logits, dim=-1)
         logprobs.append(logp.gather(1, targets[start:end, None])[:, 0])
         top1.append(logits.argmax(-1))
