@@ -243,14 +243,18 @@ class AsyncEngine:
                     command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
                 )
                 continue
-            seq = self.engine.sequences.get(command.request_id)  # kept for its timings: metrics observe it
-            out = self.engine.abort_request(command.request_id)
-            if out is None:
+            # its sequences are kept for their timings: metrics observe them
+            running = [seq for seq in self.engine.groups.get(command.request_id, []) if not seq.is_finished]
+            outputs = self.engine.abort_request(command.request_id)
+            if not outputs:
                 out = self._finished.get(command.request_id)
             else:
-                self.metrics.observe_finished(seq, time.monotonic())
+                now = time.monotonic()
+                for seq in running:
+                    self.metrics.observe_finished(seq, now)
+                out = outputs[-1]
                 self._remember(out)
-                self._loop.call_soon_threadsafe(self._deliver, [out])
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
             self._loop.call_soon_threadsafe(command.reply, out)
 
     def _publish_stats(self) -> None:

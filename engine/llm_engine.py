@@ -91,9 +91,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.stop_token_ids,
         )
+        self._structured = None  # engine.structured.StructuredOutputs, made on the first request that needs it
         self.runner = ModelRunner(self.model, config, num_blocks, dtype, device)
-        self.sequences: dict[str, Sequence] = {}
-        self.texts: dict[str, TextState] = {}  # detokenizer and stop strings, per request
+        self.sequences: dict[str, Sequence] = {}  # by sequence id (a request's id, or its id and choice for n > 1)
+        self.groups: dict[str, list[Sequence]] = {}  # by request id: its choices' sequences
+        self.open_choices: dict[str, int] = {}  # by request id: choices whose final output is still to come
+        self.texts: dict[str, TextState] = {}  # detokenizer and stop strings, per sequence
         self.last_stats = StepStats()
         log.info(
             "engine ready: %s, %d KV blocks x %d tokens (%.0f MiB), attention=%s, device=%s, dtype=%s, weights=%s",
@@ -153,6 +156,16 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", code="invalid_token_id", param="prompt")
+        bias = params.logit_bias or {}
+        if any(not 0 <= t < vocab for t in bias):
+            raise RequestError(
+                f"logit_bias keys must be token ids in [0, {vocab})", code="invalid_token_id", param="logit_bias"
+            )
+        if params.structured is not None:
+            try:
+                self.structured.compile(params.structured)
+            except ValueError as exc:
+                raise RequestError(str(exc), code="invalid_response_format", param="response_format") from exc
         num_prompt = len(prompt_token_ids)
         limit = self.max_model_len
         if params.max_tokens is None:
@@ -174,24 +187,62 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Sequence:
-        """Queue a request that passed `validate`."""
-        assert request_id not in self.sequences, f"request id {request_id!r} is already running"
+        """Queue a request that passed `validate`; returns its (first) sequence. n > 1 queues one sequence per choice,
+        the later ones held until the first has prefilled the prompt they share (through the prefix cache)."""
+        assert request_id not in self.groups, f"request id {request_id!r} is already running"
         assert params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens <= self.max_model_len
-        seq = Sequence(request_id, prompt_token_ids, params, priority, arrival_time)
-        self.sequences[request_id] = seq
-        self.texts[request_id] = TextState(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        self.scheduler.add(seq)
-        return seq
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        group: list[Sequence] = []
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            lead = group[0] if group and self.block_manager.enable_prefix_caching else None
+            choice = params if params.n == 1 else params.for_choice(index)
+            seq = Sequence(
+                seq_id,
+                prompt_token_ids,
+                choice,
+                priority,
+                arrival_time,
+                group_id=request_id,
+                index=index,
+                wait_for=lead,
+            )
+            if choice.structured is not None:
+                seq.matcher = self.structured.matcher(self.structured.compile(choice.structured))
+            self.sequences[seq_id] = seq
+            self.texts[seq_id] = TextState(
+                self.tokenizer, choice.stop, choice.include_stop_str_in_output, choice.skip_special_tokens
+            )
+            self.scheduler.add(seq)
+            group.append(seq)
+        self.groups[request_id] = group
+        self.open_choices[request_id] = len(group)
+        return group[0]
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (exact token counts), or None."""
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq, "abort")
-        return self._final_output(seq, [])
+    @property
+    def structured(self):
+        """Grammar masks for structured outputs (imported on first use: plain decoding never needs the library)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise RequestError(
+                    "this model has no tokenizer, so it cannot follow a response_format",
+                    code="invalid_response_format",
+                    param="response_format",
+                )
+            from engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.stop_token_ids)
+            self.runner.sampler.structured = self._structured
+        return self._structured
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request's unfinished choices now and free their blocks; returns their final outputs (the last one
+        `finished`, with the request's exact token counts), or nothing for an unknown request."""
+        outputs = []
+        for seq in [s for s in self.groups.get(request_id, []) if not s.is_finished]:
+            self.scheduler.finish(seq, "abort")
+            outputs.append(self._final_output(seq, []))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -208,13 +259,13 @@ class LLMEngine:
         if batch.is_empty:
             self.last_stats = StepStats()
             return []
-        sampled_token_ids = self.runner.run(batch)
-        stepped = self.scheduler.update(batch, sampled_token_ids)
+        sampled_token_ids, logprobs = self.runner.run(batch)
+        stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
         outputs = [self._output(seq) for seq in stepped]
         self.last_stats = StepStats(
             num_generation_tokens=len(stepped),
             num_tokens=batch.num_tokens,
-            first_tokens=[seq for seq in stepped if seq.num_output_tokens == 1],
+            first_tokens=[seq for seq in stepped if seq.num_output_tokens == 1],  # per choice: each is a sequence
             finished=[seq for seq in stepped if seq.is_finished],
             step_seconds=time.monotonic() - start,
         )
@@ -234,27 +285,35 @@ class LLMEngine:
             seq.stop_reason = stop_string
         if seq.is_finished:
             return self._final_output(seq, [token_id])
-        return _request_output(seq, [token_id], text.take_delta(finished=False))
+        return self._request_output(seq, [token_id], text.take_delta(finished=False))
 
     def _final_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         text = self.texts.pop(seq.request_id).take_delta(finished=True)
         self.sequences.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
-        return _request_output(seq, new_token_ids, text)
+        self.open_choices[seq.group_id] -= 1
+        out = self._request_output(seq, new_token_ids, text)
+        if out.finished:
+            del self.groups[seq.group_id], self.open_choices[seq.group_id]
+        return out
 
-
-def _request_output(seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
-    return RequestOutput(
-        seq.request_id,
-        new_token_ids,
-        new_text,
-        seq.is_finished,
-        seq.finish_reason,
-        seq.num_prompt_tokens,
-        seq.num_output_tokens,
-        seq.num_cached_tokens,
-        seq.stop_reason,
-    )
+    def _request_output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        group = self.groups[seq.group_id]
+        wants = seq.params.logprobs is not None
+        return RequestOutput(
+            seq.group_id,
+            new_token_ids,
+            new_text,
+            self.open_choices[seq.group_id] == 0,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            sum(s.num_output_tokens for s in group),
+            group[0].num_cached_tokens,
+            seq.stop_reason,
+            index=seq.index,
+            logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :] if wants else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.prompt_logprobs and seq.num_output_tokens == 1 else None,
+        )
 
 
 class LLM:
@@ -284,5 +343,6 @@ class LLM:
         results = {rid: RequestOutput.empty(rid) for rid in ids}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                results[out.request_id].add(out)
+                if out.index == 0:  # offline generate returns the first choice
+                    results[out.request_id].add(out)
         return [results[rid] for rid in ids]

@@ -1,5 +1,9 @@
 """Turns a scheduled batch into flat tensors (tokens, positions, slot mapping, block tables), runs the model over the
-paged KV cache, and samples the sequences that reached the end of their known tokens."""
+paged KV cache, and samples the sequences that reached the end of their known tokens.
+
+A sequence that asks for prompt logprobs (completions' `echo` with `logprobs`) also gets logits at every prompt
+position it computes, after the sampled rows; the scheduler never serves it from the prefix cache, so every prompt
+position is computed once."""
 
 from __future__ import annotations
 
@@ -8,9 +12,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.model import LlamaForCausalLM
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprob
 from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprob
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -57,8 +61,21 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
+        self._prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, position) whose next prompt token is scored
+        prompt_indices: list[int] = []
+
+        def score_prompt(seq: Sequence, first_index: int, span: range) -> None:
+            # Entry p + 1 scores prompt token p + 1 from position p; positions recomputed after a preemption that
+            # already have theirs are skipped.
+            for j, p in enumerate(span):
+                if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens:
+                    prompt_indices.append(first_index + j)
+                    self._prompt_rows.append((seq, p))
+
         for seq in batch.decodes:
             pos = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                score_prompt(seq, len(tokens), range(pos, pos + 1))
             tokens.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
@@ -70,6 +87,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             tokens.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
+            if seq.params.prompt_logprobs is not None:
+                score_prompt(seq, len(tokens) - n, span)
             positions.extend(span)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
             cu_seqlens.append(cu_seqlens[-1] + n)
@@ -98,13 +117,25 @@ class ModelRunner:
             )
         inputs = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        self._logits_indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        indices = logits_indices + prompt_indices
+        self._logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
         return inputs, pos, meta, sampled
 
-    def run(self, batch: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens."""
+    def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
+        and {request id: its logprobs} for those of them that asked."""
         inputs, positions, meta, sampled = self.prepare(batch)
         logits = self.model.forward(inputs, positions, self.kv_caches, meta, self._logits_indices)
+        if self._prompt_rows:
+            self._score_prompts(logits[len(sampled) :])
         if not sampled:
-            return {}
-        return dict(zip((seq.request_id for seq in sampled), self.sampler(logits, sampled), strict=True))
+            return {}, {}
+        out = self.sampler(logits[: len(sampled)], sampled)
+        ids = [seq.request_id for seq in sampled]
+        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
+        return dict(zip(ids, out.token_ids, strict=True)), logprobs
+
+    def _score_prompts(self, logits: torch.Tensor) -> None:
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        for row, (seq, p) in zip(rows, self._prompt_rows, strict=True):
+            seq.prompt_logprobs.append(token_logprob(row, seq.token_ids[p + 1], seq.params.prompt_logprobs))

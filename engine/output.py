@@ -1,15 +1,19 @@
-"""What one engine step reports per request (`RequestOutput`), and the per-request text state (detokenizing, stop
-strings)."""
+"""What one engine step reports per choice of a request (`RequestOutput`), and the per-sequence text state
+(detokenizing, stop strings)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sequence import TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
 class RequestOutput:
+    """New tokens of one choice (`index`); `finished` once every choice of the request has, while `finish_reason`
+    says this choice has. The counts are the request's: prompt once, output summed over its choices."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -19,6 +23,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     stop_reason: str | int | None = None  # the stop string or token that ended it (vLLM's field)
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked
 
     @property
     def usage(self) -> dict:
@@ -31,17 +38,21 @@ class RequestOutput:
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later output of the same request into this one: the tokens and text so far, the latest counts."""
-        assert later.request_id == self.request_id
+        assert later.request_id == self.request_id and later.index == self.index
         self.new_token_ids += later.new_token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.new_text += later.new_text
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
         self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
 
     @classmethod
-    def empty(cls, request_id: str) -> RequestOutput:
+    def empty(cls, request_id: str, index: int = 0) -> RequestOutput:
         """Nothing yet: the start of an `add` accumulation."""
-        return cls(request_id, [], "", False, None, 0, 0, 0)
+        return cls(request_id, [], "", False, None, 0, 0, 0, index=index)
 
 
 class TextState:

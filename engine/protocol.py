@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI-compatible API as vLLM accepts it: requests in, responses out.
 
 Unknown request fields are ignored (as vLLM does); known fields are validated, so a wrong value is a 400 that names
-the field. Features the engine does not have (n > 1, logprobs, echo, best_of, suffix) are refused with a message
+the field. Features the engine does not have (best_of > 1, suffix, tool_choice "auto") are refused with a message
 instead of being silently dropped.
 """
 
@@ -52,6 +52,50 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def parameters_schema(self) -> dict:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
@@ -61,8 +105,9 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -79,12 +124,15 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported: send n separate requests instead")
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -112,7 +160,14 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            **self.extra_sampling(),
         )
+
+    def extra_sampling(self) -> dict:
+        """SamplingParams fields of one endpoint (logprobs, structured output)."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -126,40 +181,32 @@ class _SamplingRequest(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    response_format: dict | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported by this engine: drop the field or set it to false")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} (structured output) is not supported: use 'text'")
-        return value
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatCompletionRequest:
-        # Tools the model may not call are harmless; asking for a call we cannot parse out would be silently wrong.
-        if self.tools and self.tool_choice != "none":  # absent means "auto" when tools are sent
-            raise ValueError("tool calling is not supported by this engine: send tool_choice='none' or no tools")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: set logprobs to true")
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools: send the functions the model may call")
+            return self
+        if choice is None or choice == "auto":  # absent means "auto" when tools are sent
+            raise ValueError(
+                "tool_choice 'auto' needs a tool-call parser, and this model has none: name a function "
+                "(tool_choice={'type': 'function', 'function': {'name': ...}}), send 'required', or send 'none'"
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if self.response_format is not None and self.response_format.type != "text" and choice != "none":
+            raise ValueError("send either a tool_choice or a response_format, not both")
         return self
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("top_logprobs is not supported by this engine: drop the field")
-        return value
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer field wins.
@@ -168,10 +215,51 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_messages(self) -> list[dict]:
         return [m.to_template() for m in self.messages]
 
+    @property
+    def tool_mode(self) -> Literal["named", "required"] | None:
+        """How the output becomes tool calls: one named function's arguments, or a list of calls; None: text."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else "named"
+
+    def structured_spec(self) -> dict | None:
+        """The response_format the output must follow: the client's, or the JSON schema of the tool call(s) asked
+        for (vLLM's way of answering a forced tool choice without a tool-call parser)."""
+        if self.tool_mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return _json_schema(tool.function.name, tool.function.parameters_schema())
+        if self.tool_mode == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": t.function.parameters_schema(),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools
+            ]
+            return _json_schema("tool_calls", {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        return self.response_format.model_dump(exclude_none=True, by_alias=True)
+
+    def extra_sampling(self) -> dict:
+        return {
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "structured": self.structured_spec(),
+        }
+
+
+def _json_schema(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -190,19 +278,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs are not supported by this engine: drop the field")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by this engine: drop the field or set it to false")
-        return value
+    def extra_sampling(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     @field_validator("best_of")
     @classmethod
@@ -255,15 +332,60 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
@@ -281,12 +403,13 @@ class ChatCompletion(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
@@ -304,7 +427,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None

@@ -1,4 +1,8 @@
-"""Token sampling for a batch with per-request parameters: greedy, temperature, top-k, top-p, min-p, penalties, seeds.
+"""Token sampling for a batch with per-request parameters: greedy, temperature, top-k, top-p, min-p, penalties, seeds,
+logit bias, structured-output masks, and the log-probabilities a request asks for.
+
+Order per row: logprobs are read from the model's raw distribution first (what vLLM reports by default, and what a
+client checks against log_softmax of the logits), then the bias and the grammar mask, then penalties and sampling.
 
 Sampling uses the exponential race (argmax of p / Exp(1) noise), which equals multinomial sampling and lets each
 seeded request draw its noise from its own generator, so a seed reproduces its tokens whatever else is batched.
@@ -6,14 +10,23 @@ seeded request draw its noise from its own generator, so a seed reproduces its t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu", structured=None) -> None:
         self.device = device
+        self.structured = structured  # engine.structured.StructuredOutputs: fills and applies grammar masks
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seq_generators: dict[str, torch.Generator] = {}
@@ -32,9 +45,25 @@ class Sampler:
         return gen
 
     @torch.inference_mode()  # the logits are inference tensors, and penalties edit them in place
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: float32 [len(seqs), vocab]."""
         assert logits.shape[0] == len(seqs)
+        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        self._apply_bias(logits, seqs)
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if guided:
+            self.structured.apply_masks(logits, guided, [seqs[i].matcher for i in guided])
+        token_ids = self._sample(logits, seqs)
+        for i in guided:
+            accepted = seqs[i].matcher.accept(token_ids[i])
+            assert accepted, "the grammar refused a token its own mask allowed"
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        for j, i in enumerate(logprob_rows):
+            logprobs[i] = token_logprob(raw[j], token_ids[i], seqs[i].params.logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         self._apply_penalties(logits, seqs)
         greedy_ids = logits.argmax(dim=-1)
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -57,6 +86,14 @@ class Sampler:
         out = greedy_ids.clone()
         out[rows] = sampled
         return out.tolist()
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            bias = seq.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -86,3 +123,12 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     mask |= cumulative >= ps[:, None]
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """One position's entry from a row of log-probabilities: the chosen token's and the top k."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id, float(logprobs[token_id]), top)

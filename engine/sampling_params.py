@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -20,14 +20,25 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # choices, sampled in parallel from one prefill
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (completions' echo)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured: dict | None = None  # an OpenAI response_format (json_object / json_schema) the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported yet: send n separate requests")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {getattr(self, name)}")
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -43,6 +54,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n > 1 request: n = 1, and a seeded request's choices draw from
+        seed + index (as vLLM does), so they differ from each other yet each is reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.stats import SchedulerStats
 
 
@@ -121,8 +121,11 @@ class Scheduler:
 
         # New work only when running sequences fit: admitting while evicting them would thrash.
         while self.waiting and budget > 0 and not out_of_memory and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            seq = next((s for s in self.waiting if not s.is_held), None)
+            if seq is None:
+                break
+            # Prompt logprobs need logits at every prompt position: such a request computes its whole prompt.
+            cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
@@ -135,7 +138,7 @@ class Scheduler:
                 self.running.remove(victim)
                 self._preempt(victim, out)
                 continue
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.first_scheduled_time is None:
@@ -156,10 +159,16 @@ class Scheduler:
                 out.prefills.append((seq, n))
         return out
 
-    def update(self, batch: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Sequence]:
+    def update(
+        self,
+        batch: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        logprobs: dict[str, TokenLogprob] | None = None,
+    ) -> list[Sequence]:
         """After a step: advance every scheduled sequence by the tokens it computed, append the token sampled for it
-        (a prefill chunk short of the prompt's end samples none), and finish the ones that hit a stop condition.
-        Returns the sequences that got a token, in batch order."""
+        (a prefill chunk short of the prompt's end samples none) with its logprobs if asked, and finish the ones that
+        hit a stop condition. Returns the sequences that got a token, in batch order."""
+        logprobs = logprobs or {}
         now = time.monotonic()
         stepped: list[Sequence] = []
         for seq, num_tokens in batch.scheduled():
@@ -167,7 +176,7 @@ class Scheduler:
             token_id = sampled_token_ids.get(seq.request_id)
             if token_id is None:
                 continue
-            seq.append_token(token_id)
+            seq.append_token(token_id, logprobs.get(seq.request_id))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now

@@ -1,11 +1,25 @@
-"""A request's running state: its tokens, how many are computed, and its block table."""
+"""A sequence's running state: its tokens, how many are computed, its block table, and what it reports per token.
+
+A request with n > 1 runs as n sequences (one per choice, `index`), all named by the request's `group_id`; the
+choices after the first wait (`wait_for`) until the first has computed the prompt, then take its blocks from the
+prefix cache, so the prompt is prefilled once and its blocks are shared by ref count."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities (of the model's raw distribution, before penalties, bias or masks)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the top-k (token id, logprob), most likely first
 
 
 class SequenceStatus(Enum):
@@ -22,9 +36,16 @@ class Sequence:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        *,
+        group_id: str | None = None,
+        index: int = 0,
+        wait_for: Sequence | None = None,
     ) -> None:
         assert prompt_token_ids, "a prompt needs at least one token"
-        self.request_id = request_id
+        self.request_id = request_id  # unique per sequence
+        self.group_id = request_id if group_id is None else group_id  # the client's request
+        self.index = index  # the choice this sequence produces
+        self.wait_for = wait_for  # the sibling whose prefill this one shares
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -38,6 +59,10 @@ class Sequence:
         self.finish_reason: str | None = None  # stop | length | abort
         self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
         self.num_preemptions = 0
+        self.logprobs: list[TokenLogprob] = []  # per output token, when params.logprobs is set
+        # per prompt token, if asked: the first has none; the model runner appends the rest as it computes them
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
+        self.matcher = None  # structured output: the grammar state that masks this sequence's next token
         # timestamps for metrics (monotonic seconds)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -66,9 +91,17 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def is_held(self) -> bool:
+        """Waits for a sibling's prefill, whose blocks it will share."""
+        lead = self.wait_for
+        return lead is not None and not lead.is_finished and lead.is_prefilling
+
     def sort_key(self) -> tuple[int, float]:
         """Scheduling order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)

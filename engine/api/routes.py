@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.api.choices import ChatRenderer, CompletionRenderer
 from engine.api.disconnect import wait_for_disconnect
 from engine.api.errors import APIError
 from engine.api.streaming import stream_response
@@ -22,14 +23,11 @@ from engine.llm_engine import RequestError
 from engine.output import RequestOutput
 from engine.protocol import (
     AbortRequest,
-    AssistantMessage,
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
-    CompletionChoice,
     CompletionRequest,
     DeltaMessage,
     DetokenizeRequest,
@@ -59,37 +57,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     prompt = encode_chat(engine, body.template_messages(), body.add_generation_prompt)
     stream = start(engine, request, prompt, body, prompt_param="messages")
     response_id = f"chatcmpl-{stream.request_id}"
-
-    def choice(out: RequestOutput) -> ChatChunkChoice:
-        return ChatChunkChoice(
-            delta=DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage(),
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            token_ids=out.new_token_ids if body.return_token_ids else None,
-        )
-
+    render = ChatRenderer(body, engine.tokenizer)
     if body.stream:
         return stream_response(
             stream,
             ChatCompletionChunk,
-            choice,
+            render.chunk_choice,
             response_id=response_id,
             model=engine.model_name,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
             show_token_ids=body.return_token_ids,
-            first_choice=ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")),
+            first_choices=[
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)
+            ],
         )
-    out = await collect(request, stream)
-    message = ChatChoice(
-        message=AssistantMessage(content=out.new_text),
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        token_ids=out.new_token_ids if body.return_token_ids else None,
-    )
-    usage = Usage.model_validate(out.usage)
+    outs = await collect(request, stream, body.n)
+    usage = Usage.model_validate(outs[-1].usage)
+    choices = [render.choice(out) for out in outs]
     return JSONResponse(
-        dump_response(ChatCompletion(id=response_id, model=engine.model_name, choices=[message], usage=usage))
+        dump_response(ChatCompletion(id=response_id, model=engine.model_name, choices=choices, usage=usage))
     )
 
 
@@ -101,30 +88,23 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine)
     response_id = f"cmpl-{stream.request_id}"
     # A model without a tokenizer has no text to show: its token ids are the output.
     show_token_ids = body.return_token_ids or engine.tokenizer is None
-
-    def choice(out: RequestOutput) -> CompletionChoice:
-        return CompletionChoice(
-            text=out.new_text,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            token_ids=out.new_token_ids if show_token_ids else None,
-        )
-
+    render = CompletionRenderer(body, engine.tokenizer, prompt, show_token_ids)
     if body.stream:
         return stream_response(
             stream,
             Completion,
-            choice,
+            render.choice,
             response_id=response_id,
             model=engine.model_name,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
-            show_token_ids=show_token_ids,
+            show_token_ids=show_token_ids or body.echo,
         )
-    out = await collect(request, stream)
-    usage = Usage.model_validate(out.usage)
+    outs = await collect(request, stream, body.n)
+    usage = Usage.model_validate(outs[-1].usage)
+    choices = [render.choice(out) for out in outs]
     return JSONResponse(
-        dump_response(Completion(id=response_id, model=engine.model_name, choices=[choice(out)], usage=usage))
+        dump_response(Completion(id=response_id, model=engine.model_name, choices=choices, usage=usage))
     )
 
 
@@ -269,14 +249,20 @@ def start(
         raise
 
 
-async def collect(request: Request, stream: RequestStream) -> RequestOutput:
-    """A non-stream request's outputs folded into one. If the client disconnects first, the request is aborted."""
+async def collect(request: Request, stream: RequestStream, n: int = 1) -> list[RequestOutput]:
+    """A non-stream request's outputs folded into one per choice, in choice order; the last carries the request's
+    final counts. If the client disconnects first, the request is aborted."""
 
-    async def fold() -> RequestOutput:
-        total = RequestOutput.empty(stream.request_id)
+    async def fold() -> list[RequestOutput]:
+        totals = [RequestOutput.empty(stream.request_id, i) for i in range(n)]
+        last = totals[0]
         async for out in stream:
-            total.add(out)
-        return total
+            totals[out.index].add(out)
+            last = out
+        for total in totals:  # every choice reports the request's final counts
+            total.num_prompt_tokens, total.num_output_tokens = last.num_prompt_tokens, last.num_output_tokens
+            total.num_cached_tokens = last.num_cached_tokens
+        return totals
 
     work = asyncio.create_task(fold())
     gone = asyncio.create_task(wait_for_disconnect(request.receive))

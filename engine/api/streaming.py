@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from engine.api.errors import to_api_error
 from engine.async_engine import RequestStream
 from engine.output import RequestOutput
-from engine.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, Usage, dump_response
+from engine.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, DeltaMessage, Usage, dump_response
 
 
 class RequestStreamResponse(StreamingResponse):
@@ -46,10 +46,10 @@ def stream_response(
     include_usage: bool,
     continuous_usage: bool,
     show_token_ids: bool,
-    first_choice: ChatChunkChoice | None = None,
+    first_choices: list[ChatChunkChoice] | None = None,
 ) -> RequestStreamResponse:
-    """`choice` renders one output as a chunk's choice; `first_choice`, if given, opens the stream (chat announces
-    the assistant's role before any token)."""
+    """`choice` renders one output as a chunk's choice; `first_choices`, if given, open the stream (chat announces
+    the assistant's role in each choice before any token)."""
     created = int(time.time())
     drop_usage = not (include_usage or continuous_usage)
 
@@ -65,14 +65,21 @@ def stream_response(
 
     async def events() -> AsyncIterator[str]:
         try:
-            if first_choice is not None:
-                n = stream.num_prompt_tokens
-                no_tokens_yet = Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n)
-                yield event([first_choice], no_tokens_yet if continuous_usage else None)
+            n = stream.num_prompt_tokens
+            no_tokens_yet = Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n)
+            for first in first_choices or []:
+                yield event([first], no_tokens_yet if continuous_usage else None)
             async for out in stream:
-                if not out.new_text and not out.finished and not show_token_ids:
+                if not (out.new_text or out.finish_reason or out.logprobs or show_token_ids):
                     continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
-                yield event([choice(out)], Usage.model_validate(out.usage) if continuous_usage else None)
+                rendered = choice(out)
+                if (
+                    "delta" in type(rendered).model_fields
+                    and rendered.delta == DeltaMessage()
+                    and not (rendered.finish_reason or rendered.logprobs or show_token_ids)
+                ):
+                    continue  # nothing to show yet (a tool-call list shown once it is complete)
+                yield event([rendered], Usage.model_validate(out.usage) if continuous_usage else None)
             if include_usage:
                 yield event([], Usage.model_validate(stream.final.usage))
         except Exception as exc:  # the headers are gone: say it in the stream, as vLLM does

@@ -88,7 +88,9 @@ def test_stop_token_ids_and_max_tokens(llm):
         {"top_k": -5},
         {"min_p": 2},
         {"max_tokens": 0},
-        {"n": 2},
+        {"n": 0},
+        {"logprobs": 21},
+        {"logit_bias": {5: 101}},
         {"presence_penalty": 3},
     ],
 )
