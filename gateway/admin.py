@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import date
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +25,7 @@ from gateway.admin_models import (
     ErrorBody,
     KeyCreate,
     KeyCreated,
+    KeyLimitsBody,
     KeyList,
     KeyOut,
     Limits,
@@ -45,6 +46,7 @@ from gateway.state import StateUnavailable
 from gateway.store import Conflict, NotFound, Team
 from gateway.store_db import DB_ERRORS
 from policies.budget import DAY, MONTH, period_start_day
+from policies.pricing import micros_to_usd
 
 # --- validation errors, OpenAI-shaped ----------------------------------------------------------------------
 
@@ -266,7 +268,9 @@ async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
     responses={404: _err("No such team.")},
 )
 async def create_team_key(team_id: TeamId, body: KeyCreate, services: ServicesDep) -> KeyCreated:
-    secret, key = await _call(services.store.create_key, team_id, body.name, expires_at=body.expiry())
+    limits = body.limits.to_limits() if body.limits is not None else None
+    store = services.store
+    secret, key = await _call(store.create_key, team_id, body.name, expires_at=body.expiry(), limits=limits)
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
 
@@ -278,6 +282,8 @@ async def list_team_keys(team_id: TeamId, services: ServicesDep) -> KeyList:
 
 @router.post("/keys", status_code=201, summary="Create an admin key (no team; the secret is returned once)")
 async def create_admin_key(body: KeyCreate, services: ServicesDep) -> KeyCreated:
+    if body.limits is not None:
+        raise _admin_key_limits()
     store = services.store
     secret, key = await _call(store.create_key, None, body.name, is_admin=True, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
@@ -304,18 +310,61 @@ async def revoke_key(key_id: KeyId, services: ServicesDep) -> KeyOut:
     return KeyOut.of(key)
 
 
+def _admin_key_limits() -> APIError:
+    return APIError(
+        400,
+        "Invalid 'limits': admin keys belong to no team and have no limits; create a team key for that.",
+        "invalid_value",
+        param="limits",
+    )
+
+
+async def _key_or_404(services: Services, key_id: str):
+    key = await _call(services.store.get_key, key_id)
+    if key is None:
+        raise APIError(404, f"No such key: {key_id!r}.", "key_not_found", param="key_id")
+    return key
+
+
+@router.get("/keys/{key_id}/limits", summary="Get a key's own limits", responses={404: _err("No such key.")})
+async def get_key_limits(key_id: KeyId, services: ServicesDep) -> KeyLimitsBody:
+    return KeyLimitsBody.of((await _key_or_404(services, key_id)).limits)
+
+
+@router.put(
+    "/keys/{key_id}/limits",
+    summary="Replace a key's own limits (omitted fields: none of its own; its team's still apply)",
+    responses={404: _err("No such key.")},
+)
+async def set_key_limits(key_id: KeyId, body: KeyLimitsBody, services: ServicesDep) -> KeyLimitsBody:
+    if (await _key_or_404(services, key_id)).team_id is None:
+        raise _admin_key_limits()
+    key = await _call(services.store.set_key_limits, key_id, body.to_limits())
+    _changed(services)
+    return KeyLimitsBody.of(key.limits)
+
+
 # --- usage ------------------------------------------------------------------------------------------------
 
 
-@router.get("/usage", summary="Daily token usage per team and model")
+@router.get(
+    "/usage",
+    summary="Daily token usage per team and model, per key, or per end user",
+    response_model_exclude_none=True,  # key_id / user / cost_usd only in the groupings that have them
+)
 async def usage(
     services: ServicesDep,
     team_id: str | None = Query(None, max_length=64, pattern=ID_PATTERN, description="Only this team. " + ID_DOC),
     since: date | None = Query(None, description="First UTC day, inclusive (YYYY-MM-DD)."),
     until: date | None = Query(None, description="Last UTC day, inclusive (YYYY-MM-DD)."),
+    group_by: Literal["team", "key", "user"] = Query(
+        "team", description="Rows per team and model (default), per API key, or per end user (the `user` field)."
+    ),
 ) -> UsageList:
     if since is not None and until is not None and since > until:
         raise APIError(400, f"Invalid 'until': {until} is before since={since}.", "invalid_value", param="until")
+    if group_by != "team":
+        return await _usage_by(services, group_by, team_id, since, until)
     rows = await _call(
         services.store.usage,
         team_id,
@@ -329,3 +378,37 @@ async def usage(
         total.completion_tokens += r.completion_tokens
         total.cached_tokens += r.cached_tokens
     return UsageList(data=[UsageOut(**r.__dict__) for r in rows], total=total)
+
+
+async def _usage_by(services: Services, group_by: str, team_id, since: date | None, until: date | None) -> UsageList:
+    rows = await _call(
+        services.store.usage_by,
+        group_by,
+        team_id,
+        since.isoformat() if since else None,
+        until.isoformat() if until else None,
+    )
+    data, total = [], UsageTotals(cost_usd=0.0)
+    cost_micros = 0
+    for team, who, day, model, requests, prompt, completion, cached, cost in rows:
+        ident = {"key_id": who} if group_by == "key" else {"user": who}
+        data.append(
+            UsageOut(
+                team_id=team,
+                day=day,
+                model=model,
+                requests=requests,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cached_tokens=cached,
+                cost_usd=micros_to_usd(cost),
+                **ident,
+            )
+        )
+        total.requests += requests
+        total.prompt_tokens += prompt
+        total.completion_tokens += completion
+        total.cached_tokens += cached
+        cost_micros += cost
+    total.cost_usd = micros_to_usd(cost_micros)
+    return UsageList(data=data, total=total)

@@ -11,13 +11,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from gateway.store import ApiKey, Team
-from policies.limits import TeamLimits
+from policies.limits import KeyLimits, TeamLimits
 
 # Upper bounds on what the admin API accepts: far above any real limit, far below what the store's columns hold
 # (BIGINT for rates and budgets; INTEGER, 2**31 - 1, for concurrency and per-request token caps).
 MAX_TOKEN_BUDGET = 10**15
 MAX_COUNT = 10**9
 MAX_TIMEOUT_S = 10 * 86400.0  # 10 days
+MAX_USD_BUDGET = 1e9
 MAX_KEY_LIFETIME_S = 100 * 365 * 86400.0  # 100 years
 
 # Plain text for names: no control characters (they end up in logs; PostgreSQL refuses NUL). A pattern also makes
@@ -55,6 +56,12 @@ class Limits(BaseModel):
     )
     ttft_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait for the first token.")
     total_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest whole request.")
+    usd_per_day: float | None = Field(
+        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices."
+    )
+    usd_per_month: float | None = Field(
+        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD."
+    )
 
     def to_limits(self) -> TeamLimits:
         return TeamLimits.from_dict(self.model_dump())
@@ -63,6 +70,41 @@ class Limits(BaseModel):
     def of(cls, limits: TeamLimits) -> Limits:
         # Not validated: the bounds are for what comes in; a stored value is shown as it is, whatever it is.
         return cls.model_construct(**limits.to_dict())
+
+
+class KeyLimitsBody(BaseModel):
+    """An API key's own limits, enforced together with its team's (the tighter wins). Omitted or null: the key has
+    no limit of its own there (its team's still applies)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests per minute.")
+    tpm: int | None = Field(
+        None, ge=1, le=MAX_TOKEN_BUDGET, description="Tokens (prompt + max_tokens reserved) per minute."
+    )
+    tokens_per_day: int | None = Field(None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC day.")
+    tokens_per_month: int | None = Field(
+        None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month."
+    )
+    usd_per_day: float | None = Field(
+        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices."
+    )
+    usd_per_month: float | None = Field(
+        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD."
+    )
+    max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests in flight at once.")
+    allowed_models: list[ModelName] | None = Field(
+        None, max_length=1000, description="Models the key may use (within its team's); null means its team's."
+    )
+
+    def to_limits(self) -> KeyLimits | None:
+        """None when nothing is set: the key then has no limits of its own (no counters, no extra state calls)."""
+        limits = KeyLimits.from_dict(self.model_dump())
+        return None if limits == KeyLimits() else limits
+
+    @classmethod
+    def of(cls, limits: KeyLimits | None) -> KeyLimitsBody:
+        return cls.model_construct(**(limits or KeyLimits()).to_dict())
 
 
 # Team names end up in metrics labels and log lines: keep them plain.
@@ -132,6 +174,7 @@ class KeyCreate(BaseModel):
     expires_in_s: float | None = Field(
         None, gt=0, le=MAX_KEY_LIFETIME_S, description="Alternative to expires_at: lifetime in seconds (<= 100 years)."
     )
+    limits: KeyLimitsBody | None = Field(None, description="The key's own limits (team keys only).")
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -156,11 +199,14 @@ class KeyOut(BaseModel):
     created_at: str
     expires_at: str | None
     revoked_at: str | None
+    limits: KeyLimitsBody | None = Field(None, description="Its own limits; null: only its team's apply.")
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:
         status = "revoked" if key.revoked_at else "expired" if key.is_expired() else "active"
-        return cls(status=status, **{k: getattr(key, k) for k in ApiKey.__dataclass_fields__})
+        fields = {k: getattr(key, k) for k in ApiKey.__dataclass_fields__ if k != "limits"}
+        limits = None if key.limits is None else KeyLimitsBody.of(key.limits)
+        return cls(status=status, limits=limits, **fields)
 
 
 class KeyCreated(KeyOut):
@@ -174,12 +220,15 @@ class KeyList(BaseModel):
 
 class UsageOut(BaseModel):
     team_id: str
+    key_id: str | None = Field(None, description="With group_by=key.")
+    user: str | None = Field(None, description="With group_by=user: the requests' `user` field ('' when none).")
     day: str
     model: str
     requests: int
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cost_usd: float | None = Field(None, description="With group_by=key or user: at the pools' prices.")
 
 
 class UsageTotals(BaseModel):
@@ -187,6 +236,7 @@ class UsageTotals(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cost_usd: float | None = None
 
 
 class UsageList(BaseModel):

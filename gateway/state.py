@@ -1,6 +1,7 @@
-"""In-process live state: rate windows, budget reservations and concurrency slots per team.
+"""In-process live state: rate windows, budget reservations and concurrency slots per team, and per API key for
+keys with limits of their own (a second subject, counted by the same rules, taken in the same step).
 
-One asyncio.Lock makes check-then-take atomic across all of a team's counters (rpm, tpm, day, month), so any
+One asyncio.Lock makes check-then-take atomic across all of a team's (and its key's) counters, so any
 number of concurrent reserves admit exactly what the limits allow. The method set is what a Redis backend
 (Lua scripts, one round trip each) implements for several replicas.
 """
@@ -12,38 +13,67 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies.budget import DAY, MONTH, Budget, seconds_until_reset
-from policies.decisions import budget_rejection, rate_rejection
-from policies.limits import TeamLimits
+from policies.budget import DAY, MONTH, Budget, as_key_rejection, seconds_until_reset, spend_rejection
+from policies.decisions import Rejected, budget_rejection, rate_rejection
+from policies.limits import KeyLimits, TeamLimits, usd_micros
 from policies.rate import SlidingWindow
 from policies.reservation import Reservation
-from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, team_snapshot
+from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, spend_view, team_snapshot, tighter
 
 
 class StateBackend(Protocol):
     """Live limits state: `InMemoryState` (one process) and `RedisState` (replicas sharing Redis) both are one.
 
-    reserve: take 1 request on rpm and prompt + max_tokens on tpm and the day / month budgets, all or nothing
-    (raises `Rejected`); settle: turn the hold into actual spend, refunding the rest (idempotent); acquire_slot /
-    release_slot: the team's concurrency slots. A backend that cannot be reached raises `StateUnavailable`."""
+    reserve: take 1 request on rpm and prompt + max_tokens on tpm and the day / month budgets (and `cost` micro-USD on
+    the spend budgets), all or nothing (raises `Rejected`); with `key_limits` the API key is a second subject whose
+    counters are checked and taken in the same atomic step (the tighter wins). settle: turn the hold into actual
+    spend on every subject it took from, refunding the rest (idempotent); acquire_slot / release_slot: the team's
+    (and the key's) concurrency slots. A backend that cannot be reached raises `StateUnavailable`."""
 
     async def reserve(
-        self, team_id: str, limits: TeamLimits, prompt_tokens: int, max_tokens: int, now: float | None = None
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
     ) -> Reservation: ...
 
     async def settle(
-        self, reservation: Reservation, prompt_tokens: int, completion_tokens: int, now: float | None = None
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
     ) -> Reservation: ...
 
-    async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool: ...
+    async def acquire_slot(
+        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+    ) -> bool: ...
 
-    async def release_slot(self, team_id: str) -> None: ...
+    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None: ...
 
-    def seed_spend(self, team_id: str, day_tokens: int, month_tokens: int, now: float | None = None) -> None: ...
+    def seed_spend(
+        self,
+        team_id: str,
+        day_tokens: int,
+        month_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        day_cost: int | None = None,
+        month_cost: int | None = None,
+    ) -> None: ...
 
-    def snapshot(self, team_id: str, now: float | None = None) -> dict: ...
+    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict: ...
 
-    async def read_snapshot(self, team_id: str) -> dict: ...
+    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict: ...
 
     async def ping(self) -> None: ...
 
@@ -61,20 +91,26 @@ class StateUnavailable(Exception):
 
 @dataclass
 class _Team:
+    """One subject's counters: a team's, or an API key's own (kept under the same rules)."""
+
     rpm: SlidingWindow | None = None
     tpm: SlidingWindow | None = None
     day: Budget = field(default_factory=lambda: Budget(DAY, None))
     month: Budget = field(default_factory=lambda: Budget(MONTH, None))
+    day_cost: Budget = field(default_factory=lambda: Budget(DAY, None))  # micro-USD
+    month_cost: Budget = field(default_factory=lambda: Budget(MONTH, None))
     in_flight: int = 0
     reserved_tokens: int = 0  # held by unsettled reservations, whatever their period
     open_reservations: int = 0
 
-    def sync_limits(self, limits: TeamLimits) -> None:
+    def sync_limits(self, limits: TeamLimits | KeyLimits) -> None:
         """Apply limits as they are now (an admin may change them at any time) without losing counts."""
         self.rpm = _resize(self.rpm, limits.rpm)
         self.tpm = _resize(self.tpm, limits.tpm)
         self.day.limit = limits.tokens_per_day
         self.month.limit = limits.tokens_per_month
+        self.day_cost.limit = usd_micros(limits.usd_per_day)
+        self.month_cost.limit = usd_micros(limits.usd_per_month)
 
 
 def _resize(window: SlidingWindow | None, limit: int | None) -> SlidingWindow | None:
@@ -91,6 +127,7 @@ class InMemoryState:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._teams: dict[str, _Team] = {}
+        self._keys: dict[str, _Team] = {}  # API keys with limits of their own, by key id
 
     def _team(self, team_id: str) -> _Team:
         team = self._teams.get(team_id)
@@ -98,90 +135,164 @@ class InMemoryState:
             team = self._teams[team_id] = _Team()
         return team
 
+    def _key(self, key_id: str) -> _Team:
+        key = self._keys.get(key_id)
+        if key is None:
+            key = self._keys[key_id] = _Team()
+        return key
+
     async def reserve(
-        self, team_id: str, limits: TeamLimits, prompt_tokens: int, max_tokens: int, now: float | None = None
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
     ) -> Reservation:
-        """Take 1 request on rpm and prompt + max_tokens on tpm and day / month budgets, all or nothing."""
-        assert prompt_tokens >= 0 and max_tokens >= 0
+        """Take 1 request on rpm and prompt + max_tokens on tpm and day / month budgets (cost on the spend
+        budgets), from the team and, if it has limits, the key: all or nothing."""
+        assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         n = prompt_tokens + max_tokens
         async with self._lock:
             now = self._clock() if now is None else now
-            team = self._team(team_id)
-            team.sync_limits(limits)
-            self._check(team, n, now)
-            if team.rpm is not None:
-                team.rpm.add(1, now)
-            if team.tpm is not None:
-                team.tpm.add(n, now)
-            day_key = team.day.reserve(n, now)
-            month_key = team.month.reserve(n, now)
-            team.reserved_tokens += n
-            res = Reservation(team_id, n, now, day_key, month_key, headers=_headers(team, now))
-            team.open_reservations += 1
-            return res
+            subjects = [(self._team(team_id), limits)]
+            counted_key = key_id if key_limits is not None and key_limits.counted else None
+            if counted_key is not None:
+                subjects.append((self._key(counted_key), key_limits))
+            for subject, subject_limits in subjects:
+                subject.sync_limits(subject_limits)
+            headers = _merged_headers([s for s, _ in subjects], now)
+            for i, (subject, _) in enumerate(subjects):
+                try:
+                    self._check(subject, n, cost, now, headers)
+                except Rejected as r:
+                    raise (as_key_rejection(r) if i else r) from None
+            day_key = month_key = ""
+            for subject, _ in subjects:
+                if subject.rpm is not None:
+                    subject.rpm.add(1, now)
+                if subject.tpm is not None:
+                    subject.tpm.add(n, now)
+                day_key = subject.day.reserve(n, now)
+                month_key = subject.month.reserve(n, now)
+                subject.day_cost.reserve(cost, now)
+                subject.month_cost.reserve(cost, now)
+                subject.reserved_tokens += n
+                subject.open_reservations += 1
+            headers = _merged_headers([s for s, _ in subjects], now)
+            return Reservation(team_id, n, now, day_key, month_key, headers=headers, key_id=counted_key, cost=cost)
 
-    def _check(self, team: _Team, n: int, now: float) -> None:
+    def _check(self, team: _Team, n: int, cost: int, now: float, headers: dict[str, str]) -> None:
         if team.rpm is not None and not team.rpm.fits(1, now):
             wait = team.rpm.wait_s(1, now)
-            raise rate_rejection("requests", team.rpm.limit, team.rpm.remaining(now), 1, wait, _headers(team, now))
+            raise rate_rejection("requests", team.rpm.limit, team.rpm.remaining(now), 1, wait, headers)
         if team.tpm is not None and not team.tpm.fits(n, now):
             wait = team.tpm.wait_s(n, now)
-            raise rate_rejection("tokens", team.tpm.limit, team.tpm.remaining(now), n, wait, _headers(team, now))
+            raise rate_rejection("tokens", team.tpm.limit, team.tpm.remaining(now), n, wait, headers)
         for budget in (team.day, team.month):
             if not budget.fits(n, now):
                 reset = seconds_until_reset(budget.period, now)
                 remaining = budget.remaining(now)
-                raise budget_rejection(budget.period, budget.limit, remaining, n, reset, _headers(team, now))
+                raise budget_rejection(budget.period, budget.limit, remaining, n, reset, headers)
+        for budget in (team.day_cost, team.month_cost):
+            if not budget.fits(cost, now):
+                reset = seconds_until_reset(budget.period, now)
+                raise spend_rejection(budget.period, budget.limit, budget.remaining(now), cost, reset, headers)
 
     async def settle(
-        self, reservation: Reservation, prompt_tokens: int, completion_tokens: int, now: float | None = None
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
     ) -> Reservation:
-        """Turn the hold into actual spend, refunding the unused part. A second settle changes nothing."""
-        assert prompt_tokens >= 0 and completion_tokens >= 0
+        """Turn the hold into actual spend on every subject it took from, refunding the unused part. A second
+        settle changes nothing."""
+        assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
         async with self._lock:
             if reservation.settled:
                 return reservation
             now = self._clock() if now is None else now
             actual = prompt_tokens + completion_tokens
-            team = self._team(reservation.team_id)
-            if team.tpm is not None:
-                if actual < reservation.tokens:
-                    team.tpm.refund(reservation.tokens - actual, reservation.taken_at, now)
-                elif actual > reservation.tokens:
-                    team.tpm.add(actual - reservation.tokens, now)
-            team.day.settle(reservation.day_key, reservation.tokens, actual, now)
-            reservation.overshoot = team.month.settle(reservation.month_key, reservation.tokens, actual, now)
-            team.reserved_tokens = max(0, team.reserved_tokens - reservation.tokens)
+            subjects = [self._team(reservation.team_id)]
+            if reservation.key_id is not None:
+                subjects.append(self._key(reservation.key_id))
+            for i, subject in enumerate(subjects):
+                if subject.tpm is not None:
+                    if actual < reservation.tokens:
+                        subject.tpm.refund(reservation.tokens - actual, reservation.taken_at, now)
+                    elif actual > reservation.tokens:
+                        subject.tpm.add(actual - reservation.tokens, now)
+                subject.day.settle(reservation.day_key, reservation.tokens, actual, now)
+                overshoot = subject.month.settle(reservation.month_key, reservation.tokens, actual, now)
+                subject.day_cost.settle(reservation.day_key, reservation.cost, cost, now)
+                subject.month_cost.settle(reservation.month_key, reservation.cost, cost, now)
+                subject.reserved_tokens = max(0, subject.reserved_tokens - reservation.tokens)
+                subject.open_reservations -= 1
+                if i == 0:
+                    reservation.overshoot = overshoot
             reservation.settled = True
             reservation.actual_tokens = actual
-            team.open_reservations -= 1
+            reservation.actual_cost = cost
             return reservation
 
-    async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool:
-        """Take one of the team's concurrency slots; False if all are taken. Release it in a finally."""
-        team = self._team(team_id)
-        if max_concurrency is not None and team.in_flight >= max_concurrency:
+    async def acquire_slot(
+        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+    ) -> bool:
+        """Take one of the team's concurrency slots (and one of the key's, given key_id); False if either is full.
+        Release it in a finally, with the same key_id."""
+        subjects = [(self._team(team_id), max_concurrency)]
+        if key_id is not None:
+            subjects.append((self._key(key_id), key_max))
+        if any(limit is not None and subject.in_flight >= limit for subject, limit in subjects):
             return False
-        team.in_flight += 1
+        for subject, _ in subjects:
+            subject.in_flight += 1
         return True
 
-    async def release_slot(self, team_id: str) -> None:
+    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None:
         # No await inside: completes even when called from a finally of a cancelled task.
         team = self._team(team_id)
         assert team.in_flight > 0, f"release_slot without acquire_slot for team {team_id}"
         team.in_flight -= 1
+        if key_id is not None:
+            key = self._key(key_id)
+            assert key.in_flight > 0, f"release_slot without acquire_slot for key {key_id}"
+            key.in_flight -= 1
 
-    def seed_spend(self, team_id: str, day_tokens: int, month_tokens: int, now: float | None = None) -> None:
-        """Spend already in the store for the current UTC day / month, so a restart does not reset budgets."""
+    def seed_spend(
+        self,
+        team_id: str,
+        day_tokens: int,
+        month_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        day_cost: int | None = None,
+        month_cost: int | None = None,
+    ) -> None:
+        """Spend already in the store for the current UTC day / month, so a restart does not reset budgets: the
+        team's, or with key_id that key's own; the spend (micro-USD) budgets too when given."""
         now = self._clock() if now is None else now
-        team = self._team(team_id)
-        team.day.seed(day_tokens, now)
-        team.month.seed(month_tokens, now)
+        subject = self._team(team_id) if key_id is None else self._key(key_id)
+        subject.day.seed(day_tokens, now)
+        subject.month.seed(month_tokens, now)
+        if day_cost is not None:
+            subject.day_cost.seed(day_cost, now)
+        if month_cost is not None:
+            subject.month_cost.seed(month_cost, now)
 
-    def snapshot(self, team_id: str, now: float | None = None) -> dict:
-        """Live counters for the admin API and metrics (a team never seen reads as all zeros)."""
+    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
+        """Live counters for the admin API and metrics (a team never seen reads as all zeros); with key_id, that
+        API key's own counters (those of a key with limits)."""
         now = self._clock() if now is None else now
-        team = self._teams.get(team_id) or _Team()
+        team = (self._keys.get(key_id) if key_id is not None else self._teams.get(team_id)) or _Team()
         return team_snapshot(
             team_id,
             in_flight=team.in_flight,
@@ -193,19 +304,21 @@ class InMemoryState:
             remaining_tokens=team.tpm.remaining(now) if team.tpm else None,
             day=_budget_view(team.day, now),
             month=_budget_view(team.month, now),
+            day_usd=_budget_view(team.day_cost, now, spend_view),
+            month_usd=_budget_view(team.month_cost, now, spend_view),
         )
 
-    async def read_snapshot(self, team_id: str) -> dict:
+    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
         """`snapshot` for async callers (the Redis backend reads over the network)."""
-        return self.snapshot(team_id)
+        return self.snapshot(team_id, key_id=key_id)
 
     async def ping(self) -> None:
         """Readiness: an in-process state is always up."""
 
 
-def _budget_view(budget: Budget, now: float) -> dict:
+def _budget_view(budget: Budget, now: float, view=budget_view) -> dict:
     budget.roll(now)
-    return budget_view(budget.period, budget.key, budget.limit, budget.spent, budget.reserved, budget.overshoot, now)
+    return view(budget.period, budget.key, budget.limit, budget.spent, budget.reserved, budget.overshoot, now)
 
 
 def _window(window: SlidingWindow | None, now: float) -> WindowHeaders | None:
@@ -216,3 +329,13 @@ def _window(window: SlidingWindow | None, now: float) -> WindowHeaders | None:
 
 def _headers(team: _Team, now: float) -> dict[str, str]:
     return ratelimit_headers(_window(team.rpm, now), _window(team.tpm, now))
+
+
+def _merged_headers(subjects: list[_Team], now: float) -> dict[str, str]:
+    """x-ratelimit-* of the team, or where its key has less left, of the key."""
+    if len(subjects) == 1:
+        return _headers(subjects[0], now)
+    team, key = subjects
+    requests = tighter(_window(team.rpm, now), _window(key.rpm, now))
+    tokens = tighter(_window(team.tpm, now), _window(key.tpm, now))
+    return ratelimit_headers(requests, tokens)

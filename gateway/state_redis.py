@@ -2,9 +2,11 @@
 
 Every decision is one Lua script (gateway.state_redis_lua; one round trip, atomic on the server), so N replicas
 together admit exactly what one would: limits are never multiplied by the replica count. Layout per team (a
-`{team}` hash tag keeps a team's keys in one cluster slot):
+`{team}` hash tag keeps a team's keys in one cluster slot), and the same again under `key:<key_id>:` for an API
+key with limits of its own (same hash tag: the team and its key are checked and taken in one script):
   rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
-  day:<key> month:<key>  hash spent / reserved / overshoot, expiring a day after the period ends
+  day:<key> month:<key>  hash spent / reserved / overshoot (tokens) and cost_spent / cost_reserved /
+                      cost_overshoot (micro-USD), expiring a day after the period ends
   holds               zset reservation id -> lease expiry; res:<id> hash with what the hold took
   slots               zset lease id -> lease expiry (concurrency)
 A replica that dies without settling cannot hold budget or slots forever: expired holds are reaped (their
@@ -34,16 +36,34 @@ from gateway.state_redis_lua import (
     RENEW,
     RESERVE,
     RESERVE_ARGV,
+    RESERVE_SUBJECT_ARGV,
     SETTLE,
     SETTLE_ARGV,
     script_args,
 )
-from policies.budget import DAY, MONTH, day_key, month_key, period_bounds, seconds_until_reset
-from policies.decisions import budget_rejection, rate_rejection
-from policies.limits import TeamLimits
+from policies.budget import (
+    DAY,
+    MONTH,
+    as_key_rejection,
+    day_key,
+    month_key,
+    period_bounds,
+    seconds_until_reset,
+    spend_rejection,
+)
+from policies.decisions import Rejected, budget_rejection, rate_rejection
+from policies.limits import KeyLimits, TeamLimits, usd_micros
 from policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
 from policies.reservation import Reservation
-from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, remaining, team_snapshot
+from policies.snapshot import (
+    WindowHeaders,
+    budget_view,
+    ratelimit_headers,
+    remaining,
+    spend_view,
+    team_snapshot,
+    tighter,
+)
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
@@ -99,39 +119,69 @@ class RedisState:
         self._settle = self._redis.register_script(SETTLE)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._renew = self._redis.register_script(RENEW)
-        self._leases: dict[str, list[str]] = {}  # this replica's live slot leases per team
+        self._leases: dict[tuple[str, str | None], list[str]] = {}  # live slot leases per (team, key or None)
         self._renewer: asyncio.Task | None = None
 
     def _key(self, team_id: str, name: str) -> str:
         return f"{self.prefix}:{{{team_id}}}:{name}"
 
-    def _period_keys(self, team_id: str, now: float) -> tuple[str, str, str, str, int, int]:
+    @staticmethod
+    def _sub(key_id: str | None) -> str:
+        """Where a subject's keys live under its team's hash tag: '' for the team, 'key:<id>:' for an API key."""
+        return "" if key_id is None else f"key:{key_id}:"
+
+    def _period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
         d, m = day_key(now), month_key(now)
         # kept a day past the period's end so a snapshot at 00:00:01 can still read yesterday's numbers
         # (relative TTLs from the caller's clock, so Redis's own clock never has to agree with ours)
         d_exp = math.ceil(period_bounds(DAY, now)[1] - now) + 86400
         m_exp = math.ceil(period_bounds(MONTH, now)[1] - now) + 86400
-        return self._key(team_id, f"day:{d}"), self._key(team_id, f"month:{m}"), d, m, d_exp, m_exp
+        sub = self._sub(key_id)
+        return self._key(team_id, f"{sub}day:{d}"), self._key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
 
-    async def reserve(
-        self, team_id: str, limits: TeamLimits, prompt_tokens: int, max_tokens: int, now: float | None = None
-    ) -> Reservation:
-        assert prompt_tokens >= 0 and max_tokens >= 0
-        now = self._clock() if now is None else now
-        n = prompt_tokens + max_tokens
-        day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
-        res_id = uuid.uuid4().hex
-        # KEYS: rpm_window tpm_window day_hash month_hash holds_zset meta_hash (see state_redis_lua.RESERVE)
-        keys = [self._key(team_id, "rpm"), self._key(team_id, "tpm"), day_k, month_k]
-        keys += [self._key(team_id, "holds"), self._key(team_id, "meta")]
+    def _reserve_subject(self, team_id: str, key_id: str | None, limits, now: float) -> tuple[list, list]:
+        """One subject's KEYS and ARGV for the RESERVE script (state_redis_lua.RESERVE_KEYS / _SUBJECT_ARGV)."""
+        sub = self._sub(key_id)
+        day_k, month_k, *_ = self._period_keys(team_id, now, key_id)
+        keys = [self._key(team_id, sub + "rpm"), self._key(team_id, sub + "tpm"), day_k, month_k]
+        keys += [self._key(team_id, sub + "holds"), self._key(team_id, sub + "meta")]
         args = script_args(
-            RESERVE_ARGV,
-            now=repr(now),
-            tokens=n,
+            RESERVE_SUBJECT_ARGV,
             rpm_limit=_lim(limits.rpm),
             tpm_limit=_lim(limits.tpm),
             day_limit=_lim(limits.tokens_per_day),
             month_limit=_lim(limits.tokens_per_month),
+            cost_day_limit=_lim(usd_micros(limits.usd_per_day)),
+            cost_month_limit=_lim(usd_micros(limits.usd_per_month)),
+            res_prefix=self._key(team_id, sub + "res:"),
+        )
+        return keys, args
+
+    async def reserve(
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
+    ) -> Reservation:
+        assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
+        now = self._clock() if now is None else now
+        n = prompt_tokens + max_tokens
+        _, _, d, m, d_exp, m_exp = self._period_keys(team_id, now)
+        res_id = uuid.uuid4().hex
+        counted_key = key_id if key_limits is not None and key_limits.counted else None
+        subjects = [(None, limits)] + ([(counted_key, key_limits)] if counted_key is not None else [])
+        keys: list = []
+        args = script_args(
+            RESERVE_ARGV,
+            now=repr(now),
+            tokens=n,
+            cost=cost,
             slot_s=WINDOW_S / SLOTS,
             slots=SLOTS,
             day_period=d,
@@ -140,41 +190,48 @@ class RedisState:
             month_expire_s=m_exp,
             res_id=res_id,
             hold_s=self.hold_s,
-            res_prefix=self._key(team_id, "res:"),
         )
+        for sub_key, sub_limits in subjects:
+            sub_keys, sub_args = self._reserve_subject(team_id, sub_key, sub_limits, now)
+            keys += sub_keys
+            args += sub_args
         try:
-            code, detail, rpm_used, tpm_used = await self._reserve(keys=keys, args=args)
+            code, detail, which, *used = await self._reserve(keys=keys, args=args)
         except REDIS_ERRORS as e:
             # The hold may have been taken before the answer was lost: a settle of nothing gives it back (and
             # is a no-op if it never was).
             undo = {"op": "settle", "team_id": team_id, "res_id": res_id, "tokens": 0, "now": now}
+            undo |= {"key_id": counted_key, "cost": 0}
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
-        headers = _headers(limits, int(rpm_used), int(tpm_used), now)
-        if code == 1:
-            wait = float(detail)
-            raise rate_rejection("requests", limits.rpm, max(0, limits.rpm - rpm_used), 1, wait, headers)
-        if code == 2:
-            wait = None if float(detail) < 0 else float(detail)
-            raise rate_rejection("tokens", limits.tpm, max(0, limits.tpm - tpm_used), n, wait, headers)
-        if code in (3, 4):
-            period, limit = (DAY, limits.tokens_per_day) if code == 3 else (MONTH, limits.tokens_per_month)
-            reset = seconds_until_reset(period, now)
-            raise budget_rejection(period, limit, int(detail), n, reset, headers)
-        return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id)
+        used = [int(u) for u in used]
+        headers = _merged_headers([lim for _, lim in subjects], used, now)
+        if code != 0:
+            i = int(which) - 1  # the subject that said no: 0 the team, 1 the key
+            rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
+            rejection = _rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
+            raise as_key_rejection(rejection) if i else rejection
+        return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
 
     async def settle(
-        self, reservation: Reservation, prompt_tokens: int, completion_tokens: int, now: float | None = None
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
     ) -> Reservation:
         """Idempotent across replicas too: the first settle leaves a tombstone that later ones stop at."""
-        assert prompt_tokens >= 0 and completion_tokens >= 0
+        assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
         if reservation.settled:
             return reservation
         now = self._clock() if now is None else now
         op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
-        op |= {"tokens": prompt_tokens + completion_tokens, "now": now}
+        op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
         over = await self.replay(op)
         reservation.settled = True
         reservation.actual_tokens = prompt_tokens + completion_tokens
+        reservation.actual_cost = cost
         reservation.overshoot = max(0, int(over))
         return reservation
 
@@ -182,19 +239,30 @@ class RedisState:
         """Apply a settle or a slot release, now or again later from the outbox (both are idempotent: a settle
         stops at its tombstone, a release of a lease already gone removes nothing)."""
         try:
+            team_id, key_id = op["team_id"], op.get("key_id")
             if op["op"] == "release_slot":
-                await self._redis.zrem(self._key(op["team_id"], "slots"), op["lease_id"])
+                if key_id is None:
+                    await self._redis.zrem(self._key(team_id, "slots"), op["lease_id"])
+                    return 0
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.zrem(self._key(team_id, "slots"), op["lease_id"])
+                    pipe.zrem(self._key(team_id, self._sub(key_id) + "slots"), op["lease_id"])
+                    await pipe.execute()
                 return 0
             assert op["op"] == "settle", op
-            team_id, res_id, now = op["team_id"], op["res_id"], op["now"]
-            day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now)
-            # KEYS: tpm_window day_hash month_hash holds_zset meta_hash res_hash (see state_redis_lua.SETTLE)
-            keys = [self._key(team_id, "tpm"), day_k, month_k, self._key(team_id, "holds")]
-            keys += [self._key(team_id, "meta"), self._key(team_id, f"res:{res_id}")]
+            res_id, now = op["res_id"], op["now"]
+            keys = []
+            for sub_key in (None, key_id) if key_id is not None else (None,):
+                sub = self._sub(sub_key)
+                day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now, sub_key)
+                # KEYS per subject: tpm_window day_hash month_hash holds_zset meta_hash res_hash (lua.SETTLE_KEYS)
+                keys += [self._key(team_id, sub + "tpm"), day_k, month_k, self._key(team_id, sub + "holds")]
+                keys += [self._key(team_id, sub + "meta"), self._key(team_id, f"{sub}res:{res_id}")]
             args = script_args(
                 SETTLE_ARGV,
                 now=repr(now),
                 actual=op["tokens"],
+                actual_cost=op.get("cost", 0),
                 slot_s=WINDOW_S / SLOTS,
                 slots=SLOTS,
                 day_period=d,
@@ -207,49 +275,59 @@ class RedisState:
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
 
-    async def acquire_slot(self, team_id: str, max_concurrency: int | None) -> bool:
-        """Take a concurrency lease shared by all replicas; renewed in the background until released."""
+    async def acquire_slot(
+        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+    ) -> bool:
+        """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
+        renewed in the background until released."""
         lease_id = uuid.uuid4().hex
-        key = self._key(team_id, "slots")
+        keys = [self._key(team_id, "slots")]
+        if key_id is not None:
+            keys.append(self._key(team_id, self._sub(key_id) + "slots"))
         args = script_args(
             ACQUIRE_ARGV,
             now=repr(self._clock()),
             lease_s=self.lease_s,
             max_concurrency=_lim(max_concurrency),
             lease_id=lease_id,
+            key_max_concurrency=_lim(key_max),
         )
         try:
-            if not await self._acquire(keys=[key], args=args):
+            if not await self._acquire(keys=keys, args=args):
                 return False
         except REDIS_ERRORS as e:
             # The lease may have been taken before the answer was lost: release it, or it would hold one of the
             # team's slots until it expires.
-            undo = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id}
+            undo = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
             raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}", pending=undo) from e
-        self._leases.setdefault(team_id, []).append(lease_id)
+        self._leases.setdefault((team_id, key_id), []).append(lease_id)
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop())
         return True
 
-    async def release_slot(self, team_id: str) -> None:
+    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None:
         """Drop one of this replica's leases. The local bookkeeping happens before the await, so a
         cancellation during the round trip still frees the slot here; a failed call raises StateUnavailable with
         the release pending (for the outbox), and Redis lets the lease lapse by expiry meanwhile."""
-        leases = self._leases.get(team_id)
+        leases = self._leases.get((team_id, key_id))
         assert leases, f"release_slot without acquire_slot for team {team_id}"
         lease_id = leases.pop()
         if not leases:
-            del self._leases[team_id]
-        await asyncio.shield(self.replay({"op": "release_slot", "team_id": team_id, "lease_id": lease_id}))
+            del self._leases[(team_id, key_id)]
+        op = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
+        await asyncio.shield(self.replay(op))
 
     async def renew_leases(self) -> None:
         """Push out the expiry of every lease this replica holds (the background task calls this)."""
         expiry = repr(self._clock() + self.lease_s)
         ttl_ms = math.ceil(self.lease_s * 1000) + 1000
-        for team_id, leases in list(self._leases.items()):
+        for (team_id, key_id), leases in list(self._leases.items()):
             if leases:
                 # ARGV: expiry, ttl_ms, then every lease id (see state_redis_lua.RENEW)
                 await self._renew(keys=[self._key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
+                if key_id is not None:
+                    key_slots = self._key(team_id, self._sub(key_id) + "slots")
+                    await self._renew(keys=[key_slots], args=[expiry, ttl_ms, *leases])
 
     async def _renew_loop(self) -> None:
         while self._leases:
@@ -257,31 +335,47 @@ class RedisState:
             with contextlib.suppress(*REDIS_ERRORS):  # Redis is away: next round (a lease lasts three)
                 await self.renew_leases()
 
-    def seed_spend(self, team_id: str, day_tokens: int, month_tokens: int, now: float | None = None) -> None:
+    def seed_spend(
+        self,
+        team_id: str,
+        day_tokens: int,
+        month_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        day_cost: int | None = None,
+        month_cost: int | None = None,
+    ) -> None:
         """Fill in spend from the store only where Redis has none: the live counters, shared by replicas that
         may hold unflushed usage, win over a store snapshot taken by whichever replica starts next."""
         now = self._clock() if now is None else now
-        day_k, month_k, _, _, d_exp, m_exp = self._period_keys(team_id, now)
+        day_k, month_k, _, _, d_exp, m_exp = self._period_keys(team_id, now, key_id)
         with self._sync.pipeline() as pipe:
             pipe.hsetnx(day_k, "spent", day_tokens).expire(day_k, d_exp)
             pipe.hsetnx(month_k, "spent", month_tokens).expire(month_k, m_exp)
+            if day_cost is not None:
+                pipe.hsetnx(day_k, "cost_spent", day_cost)
+            if month_cost is not None:
+                pipe.hsetnx(month_k, "cost_spent", month_cost)
             pipe.execute()
 
-    def snapshot(self, team_id: str, now: float | None = None) -> dict:
-        """Live counters across all replicas (one pipelined read; sync because the contract is)."""
+    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
+        """Live counters across all replicas (one pipelined read; sync because the contract is); with key_id, that
+        API key's own counters."""
         now = self._clock() if now is None else now
         with self._sync.pipeline(transaction=False) as pipe:
-            return self._snapshot_view(team_id, now, self._snapshot_reads(pipe, team_id, now).execute())
+            reads = self._snapshot_reads(pipe, team_id, now, key_id).execute()
+            return self._snapshot_view(team_id, now, reads, key_id)
 
-    async def read_snapshot(self, team_id: str) -> dict:
+    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
         """`snapshot` without blocking the event loop; StateUnavailable when Redis cannot answer."""
         now = self._clock()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                results = await self._snapshot_reads(pipe, team_id, now).execute()
+                results = await self._snapshot_reads(pipe, team_id, now, key_id).execute()
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"snapshot: {type(e).__name__}: {e}") from e
-        return self._snapshot_view(team_id, now, results)
+        return self._snapshot_view(team_id, now, results, key_id)
 
     async def ping(self) -> None:
         """Readiness: StateUnavailable when Redis does not answer."""
@@ -290,14 +384,16 @@ class RedisState:
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
 
-    def _snapshot_reads(self, pipe, team_id: str, now: float):
-        day_k, month_k, *_ = self._period_keys(team_id, now)
-        pipe.hgetall(self._key(team_id, "rpm")).hgetall(self._key(team_id, "tpm"))
-        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._key(team_id, "meta"))
-        return pipe.zcount(self._key(team_id, "slots"), f"({now!r}", "+inf").zcard(self._key(team_id, "holds"))
+    def _snapshot_reads(self, pipe, team_id: str, now: float, key_id: str | None = None):
+        day_k, month_k, *_ = self._period_keys(team_id, now, key_id)
+        sub = self._sub(key_id)
+        pipe.hgetall(self._key(team_id, sub + "rpm")).hgetall(self._key(team_id, sub + "tpm"))
+        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._key(team_id, sub + "meta"))
+        pipe.zcount(self._key(team_id, sub + "slots"), f"({now!r}", "+inf")
+        return pipe.zcard(self._key(team_id, sub + "holds"))
 
-    def _snapshot_view(self, team_id: str, now: float, results: list) -> dict:
-        _, _, d, m, _, _ = self._period_keys(team_id, now)
+    def _snapshot_view(self, team_id: str, now: float, results: list, key_id: str | None = None) -> dict:
+        _, _, d, m, _, _ = self._period_keys(team_id, now, key_id)
         oldest = oldest_counted_slot(now, WINDOW_S / SLOTS, SLOTS)
         rpm, tpm, day, month, meta, in_flight, holds = results
 
@@ -308,9 +404,9 @@ class RedisState:
             value = int(meta.get(name, _NONE))
             return None if value == _NONE else value
 
-        def period(h: dict, period_name: str, key: str, limit_name: str) -> dict:
-            spent, reserved, over = (int(h.get(k, 0)) for k in ("spent", "reserved", "overshoot"))
-            return budget_view(period_name, key, limit(limit_name), spent, reserved, over, now)
+        def period(h: dict, period_name: str, key: str, limit_name: str, field="", view=budget_view) -> dict:
+            spent, reserved, over = (int(h.get(field + k, 0)) for k in ("spent", "reserved", "overshoot"))
+            return view(period_name, key, limit(limit_name), spent, reserved, over, now)
 
         rpm_used, tpm_used = used(rpm), used(tpm)
         return team_snapshot(
@@ -324,6 +420,8 @@ class RedisState:
             remaining_tokens=remaining(limit("tpm"), tpm_used),
             day=period(day, DAY, d, "day_limit"),
             month=period(month, MONTH, m, "month_limit"),
+            day_usd=period(day, DAY, d, "cost_day_limit", "cost_", spend_view),
+            month_usd=period(month, MONTH, m, "cost_month_limit", "cost_", spend_view),
         )
 
     async def close(self) -> None:
@@ -334,10 +432,35 @@ class RedisState:
         self._sync.close()
 
 
-def _headers(limits: TeamLimits, rpm_used: int, tpm_used: int, now: float) -> dict[str, str]:
-    """x-ratelimit-* as InMemoryState sends them; reset is when a slot taken now leaves the window."""
+def _window(limit: int | None, used: int, reset: float) -> WindowHeaders | None:
+    return None if limit is None else WindowHeaders(limit, remaining(limit, used), reset)
+
+
+def _merged_headers(subject_limits: list, used: list[int], now: float) -> dict[str, str]:
+    """x-ratelimit-* as InMemoryState sends them (the team's, or where its key has less left, the key's); reset is
+    when a slot taken now leaves the window."""
     slot_s = WINDOW_S / SLOTS
     reset = slot_leaves_window_s(slot_index(now, slot_s), now, slot_s, SLOTS)
-    rpm = None if limits.rpm is None else WindowHeaders(limits.rpm, remaining(limits.rpm, rpm_used), reset)
-    tpm = None if limits.tpm is None else WindowHeaders(limits.tpm, remaining(limits.tpm, tpm_used), reset)
-    return ratelimit_headers(rpm, tpm)
+    requests = tokens = None
+    for i, lim in enumerate(subject_limits):
+        requests = tighter(requests, _window(lim.rpm, used[2 * i], reset))
+        tokens = tighter(tokens, _window(lim.tpm, used[2 * i + 1], reset))
+    return ratelimit_headers(requests, tokens)
+
+
+def _rejection(
+    code: int, detail: str, lim, rpm_used: int, tpm_used: int, n: int, cost: int, now: float, headers: dict
+) -> Rejected:
+    """The RESERVE script's refusal (code 1-6, see state_redis_lua.RESERVE) as InMemoryState words it."""
+    if code == 1:
+        return rate_rejection("requests", lim.rpm, max(0, lim.rpm - rpm_used), 1, float(detail), headers)
+    if code == 2:
+        wait = None if float(detail) < 0 else float(detail)
+        return rate_rejection("tokens", lim.tpm, max(0, lim.tpm - tpm_used), n, wait, headers)
+    period = DAY if code in (3, 5) else MONTH
+    reset = seconds_until_reset(period, now)
+    if code in (3, 4):
+        limit = lim.tokens_per_day if code == 3 else lim.tokens_per_month
+        return budget_rejection(period, limit, int(detail), n, reset, headers)
+    limit = usd_micros(lim.usd_per_day if code == 5 else lim.usd_per_month)
+    return spend_rejection(period, limit, int(detail), cost, reset, headers)

@@ -39,15 +39,15 @@ local function give_back(key, field, n)  -- decrement, never below zero
 end
 """
 
-# Take a hold: rate windows, then budgets; reaps expired holds first. Returns {code, detail, rpm_used, tpm_used}:
-# code 0 taken, 1 rpm (detail: wait s), 2 tpm (wait s, -1 never), 3 day / 4 month budget (detail: tokens left).
+# Take a hold on every subject (the team; then the API key, when it has limits of its own): rate windows, then
+# token and spend budgets, all checked before anything is taken; reaps expired holds first. Returns
+# {code, detail, subject, rpm_used, tpm_used, ...one pair per subject}: code 0 taken, 1 rpm (detail: wait s),
+# 2 tpm (wait s, -1 never), 3 day / 4 month token budget, 5 day / 6 month spend budget (detail: what is left);
+# subject: which one said no (1 team, 2 key).
 RESERVE_ARGV = (
     "now",
     "tokens",
-    "rpm_limit",
-    "tpm_limit",
-    "day_limit",
-    "month_limit",
+    "cost",
     "slot_s",
     "slots",
     "day_period",
@@ -56,78 +56,116 @@ RESERVE_ARGV = (
     "month_expire_s",
     "res_id",
     "hold_s",
-    "res_prefix",
 )
+# Then, per subject, in this order (`subject_args`); KEYS per subject: RESERVE_KEYS.
+RESERVE_SUBJECT_ARGV = ("rpm_limit", "tpm_limit", "day_limit", "month_limit", "cost_day_limit", "cost_month_limit",
+                        "res_prefix")  # fmt: skip
+RESERVE_KEYS = ("rpm_window", "tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash")
 RESERVE = (
     WINDOW_FUNCTIONS
     + """
--- KEYS: rpm_window tpm_window day_hash month_hash holds_zset meta_hash
--- ARGV: now, tokens (prompt + max_tokens to hold), rpm_limit, tpm_limit, day_limit, month_limit (-1: unlimited),
---   slot_s, slots (window slot length and count), day_period, month_period (the current periods' keys),
---   day_expire_s, month_expire_s (the period hashes' TTLs), res_id, hold_s (the hold's lease), res_prefix
-local rpm_window, tpm_window, day_hash, month_hash = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local holds_zset, meta_hash = KEYS[5], KEYS[6]
-local now_text, n = ARGV[1], tonumber(ARGV[2])
-local rpm_text, tpm_text, day_text, month_text = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local slot_s, slots = tonumber(ARGV[7]), tonumber(ARGV[8])
-local day_period, month_period = ARGV[9], ARGV[10]
-local day_expire_s, month_expire_s = ARGV[11], ARGV[12]
-local res_id, hold_s, res_prefix = ARGV[13], tonumber(ARGV[14]), ARGV[15]
+-- KEYS: per subject rpm_window tpm_window day_hash month_hash holds_zset meta_hash
+-- ARGV: now, tokens (prompt + max_tokens to hold), cost (micro-USD to hold), slot_s, slots (window slot length and
+--   count), day_period, month_period (the current periods' keys), day_expire_s, month_expire_s (the period hashes'
+--   TTLs), res_id, hold_s (the hold's lease); then per subject: rpm_limit, tpm_limit, day_limit, month_limit,
+--   cost_day_limit, cost_month_limit (-1: unlimited), res_prefix
+local now_text, n, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
+local day_period, month_period = ARGV[6], ARGV[7]
+local day_expire_s, month_expire_s = ARGV[8], ARGV[9]
+local res_id, hold_s = ARGV[10], tonumber(ARGV[11])
 local now = tonumber(now_text)
-local rpm_l, tpm_l, day_l, month_l = tonumber(rpm_text), tonumber(tpm_text), tonumber(day_text), tonumber(month_text)
-
 local cur = math.floor(now / slot_s)
-redis.call('HSET', meta_hash, 'rpm', rpm_text, 'tpm', tpm_text, 'day_limit', day_text, 'month_limit', month_text)
--- reap holds whose replica never settled them: their tokens go back to the periods still current
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', holds_zset, '-inf', now)) do
-  local res = res_prefix .. id
-  local r = redis.call('HMGET', res, 'tokens', 'day_key', 'month_key')
-  local t = tonumber(r[1] or '0') or 0
-  if r[2] == day_period then give_back(day_hash, 'reserved', t) end
-  if r[3] == month_period then give_back(month_hash, 'reserved', t) end
-  give_back(meta_hash, 'reserved', t)
-  if r[1] then  -- tombstone: a settle arriving late still bills its tokens, without a second give-back
-    redis.call('HSET', res, 'state', 'reaped')
-    redis.call('EXPIRE', res, 86400)
+
+local subjects = {}
+for i = 1, #KEYS / 6 do
+  local k, a = (i - 1) * 6, 11 + (i - 1) * 7
+  subjects[i] = {
+    rpm_window = KEYS[k + 1], tpm_window = KEYS[k + 2], day_hash = KEYS[k + 3], month_hash = KEYS[k + 4],
+    holds_zset = KEYS[k + 5], meta_hash = KEYS[k + 6],
+    rpm_text = ARGV[a + 1], tpm_text = ARGV[a + 2], day_text = ARGV[a + 3], month_text = ARGV[a + 4],
+    cost_day_text = ARGV[a + 5], cost_month_text = ARGV[a + 6], res_prefix = ARGV[a + 7],
+  }
+end
+
+local used = {}
+for i, s in ipairs(subjects) do
+  redis.call('HSET', s.meta_hash, 'rpm', s.rpm_text, 'tpm', s.tpm_text, 'day_limit', s.day_text,
+    'month_limit', s.month_text, 'cost_day_limit', s.cost_day_text, 'cost_month_limit', s.cost_month_text)
+  -- reap holds whose replica never settled them: their tokens go back to the periods still current
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', s.holds_zset, '-inf', now)) do
+    local res = s.res_prefix .. id
+    local r = redis.call('HMGET', res, 'tokens', 'day_key', 'month_key', 'cost')
+    local t, c = tonumber(r[1] or '0') or 0, tonumber(r[4] or '0') or 0
+    if r[2] == day_period then give_back(s.day_hash, 'reserved', t); give_back(s.day_hash, 'cost_reserved', c) end
+    if r[3] == month_period then
+      give_back(s.month_hash, 'reserved', t); give_back(s.month_hash, 'cost_reserved', c)
+    end
+    give_back(s.meta_hash, 'reserved', t)
+    if r[1] then  -- tombstone: a settle arriving late still bills its tokens, without a second give-back
+      redis.call('HSET', res, 'state', 'reaped')
+      redis.call('EXPIRE', res, 86400)
+    end
+    redis.call('ZREM', s.holds_zset, id)
   end
-  redis.call('ZREM', holds_zset, id)
+  s.rpm_used, s.rpm_live = window(s.rpm_window, cur - slots)
+  s.tpm_used, s.tpm_live = window(s.tpm_window, cur - slots)
+  used[#used + 1] = s.rpm_used
+  used[#used + 1] = s.tpm_used
 end
-local rpm_used, rpm_live = window(rpm_window, cur - slots)
-local tpm_used, tpm_live = window(tpm_window, cur - slots)
-if rpm_l >= 0 and rpm_used + 1 > rpm_l then
-  return {1, tostring(wait_for(rpm_used, rpm_live, 1, rpm_l, slots, slot_s, now)), rpm_used, tpm_used}
+
+local function no(code, detail, i) return {code, tostring(detail), i, unpack(used)} end
+for i, s in ipairs(subjects) do
+  local rpm_l, tpm_l = tonumber(s.rpm_text), tonumber(s.tpm_text)
+  if rpm_l >= 0 and s.rpm_used + 1 > rpm_l then
+    return no(1, wait_for(s.rpm_used, s.rpm_live, 1, rpm_l, slots, slot_s, now), i)
+  end
+  if tpm_l >= 0 and s.tpm_used + n > tpm_l then
+    return no(2, wait_for(s.tpm_used, s.tpm_live, n, tpm_l, slots, slot_s, now), i)
+  end
+  local budgets = {
+    {s.day_hash, tonumber(s.day_text), 3, 'spent', 'reserved', n},
+    {s.month_hash, tonumber(s.month_text), 4, 'spent', 'reserved', n},
+    {s.day_hash, tonumber(s.cost_day_text), 5, 'cost_spent', 'cost_reserved', cost},
+    {s.month_hash, tonumber(s.cost_month_text), 6, 'cost_spent', 'cost_reserved', cost},
+  }
+  for _, b in ipairs(budgets) do
+    local taken = hget_num(b[1], b[4]) + hget_num(b[1], b[5])
+    if b[2] >= 0 and taken + b[6] > b[2] then return no(b[3], math.max(0, b[2] - taken), i) end
+  end
 end
-if tpm_l >= 0 and tpm_used + n > tpm_l then
-  return {2, tostring(wait_for(tpm_used, tpm_live, n, tpm_l, slots, slot_s, now)), rpm_used, tpm_used}
-end
-local budgets = {{day_hash, day_l, 3}, {month_hash, month_l, 4}}
-for _, b in ipairs(budgets) do
-  local taken = hget_num(b[1], 'spent') + hget_num(b[1], 'reserved')
-  if b[2] >= 0 and taken + n > b[2] then return {b[3], tostring(math.max(0, b[2] - taken)), rpm_used, tpm_used} end
-end
+
 local ttl_ms = math.ceil((slots + 2) * slot_s * 1000)
-redis.call('HINCRBY', rpm_window, cur, 1)
-redis.call('PEXPIRE', rpm_window, ttl_ms)
-redis.call('HINCRBY', tpm_window, cur, n)
-redis.call('PEXPIRE', tpm_window, ttl_ms)
-redis.call('HINCRBY', day_hash, 'reserved', n)
-redis.call('EXPIRE', day_hash, day_expire_s)
-redis.call('HINCRBY', month_hash, 'reserved', n)
-redis.call('EXPIRE', month_hash, month_expire_s)
-redis.call('HINCRBY', meta_hash, 'reserved', n)
-local res = res_prefix .. res_id
-redis.call('HSET', res, 'tokens', n, 'taken_at', now_text, 'day_key', day_period, 'month_key', month_period)
-redis.call('EXPIRE', res, math.ceil(hold_s) + 3600)
-redis.call('ZADD', holds_zset, now + hold_s, res_id)
-return {0, '0', rpm_used + 1, tpm_used + n}
+for i, s in ipairs(subjects) do
+  redis.call('HINCRBY', s.rpm_window, cur, 1)
+  redis.call('PEXPIRE', s.rpm_window, ttl_ms)
+  redis.call('HINCRBY', s.tpm_window, cur, n)
+  redis.call('PEXPIRE', s.tpm_window, ttl_ms)
+  redis.call('HINCRBY', s.day_hash, 'reserved', n)
+  redis.call('HINCRBY', s.day_hash, 'cost_reserved', cost)
+  redis.call('EXPIRE', s.day_hash, day_expire_s)
+  redis.call('HINCRBY', s.month_hash, 'reserved', n)
+  redis.call('HINCRBY', s.month_hash, 'cost_reserved', cost)
+  redis.call('EXPIRE', s.month_hash, month_expire_s)
+  redis.call('HINCRBY', s.meta_hash, 'reserved', n)
+  local res = s.res_prefix .. res_id
+  redis.call('HSET', res, 'tokens', n, 'cost', cost, 'taken_at', now_text, 'day_key', day_period,
+    'month_key', month_period)
+  redis.call('EXPIRE', res, math.ceil(hold_s) + 3600)
+  redis.call('ZADD', s.holds_zset, now + hold_s, res_id)
+  used[2 * i - 1] = s.rpm_used + 1
+  used[2 * i] = s.tpm_used + n
+end
+return {0, '0', 0, unpack(used)}
 """
 )
 
-# Settle a hold: bill the actual tokens, give the held ones back, leave a tombstone. Returns the overshoot (tokens
-# beyond the hold), or -1 when this hold was already settled.
+# Settle a hold on every subject it took from: bill the actual tokens and cost, give the held ones back, leave a
+# tombstone (per subject). Returns the team's overshoot (tokens beyond the hold), or -1 when already settled.
 SETTLE_ARGV = (
     "now",
     "actual",
+    "actual_cost",
     "slot_s",
     "slots",
     "day_period",
@@ -136,63 +174,83 @@ SETTLE_ARGV = (
     "month_expire_s",
     "res_id",
 )
+SETTLE_KEYS = ("tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash", "res_hash")
 SETTLE = (
     WINDOW_FUNCTIONS
     + """
--- KEYS: tpm_window day_hash month_hash holds_zset meta_hash res_hash
--- ARGV: now, actual (tokens used), slot_s, slots, day_period, month_period, day_expire_s, month_expire_s, res_id
-local tpm_window, day_hash, month_hash = KEYS[1], KEYS[2], KEYS[3]
-local holds_zset, meta_hash, res_hash = KEYS[4], KEYS[5], KEYS[6]
-local now, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
-local slot_s, slots = tonumber(ARGV[3]), tonumber(ARGV[4])
-local day_period, month_period = ARGV[5], ARGV[6]
-local day_expire_s, month_expire_s = ARGV[7], ARGV[8]
-local res_id = ARGV[9]
-
-local r = redis.call('HMGET', res_hash, 'tokens', 'taken_at', 'day_key', 'month_key', 'state')
-if r[5] == 'settled' then return -1 end  -- idempotent: the first settle left this tombstone
--- a hold reaped (its lease ran out) or long gone: bill the tokens anyway, nothing is left to give back
-local held = r[1] and r[5] ~= 'reaped'
-local tokens, taken_at = tonumber(r[1] or actual), tonumber(r[2] or now)
+-- KEYS: per subject tpm_window day_hash month_hash holds_zset meta_hash res_hash
+-- ARGV: now, actual (tokens used), actual_cost (micro-USD), slot_s, slots, day_period, month_period, day_expire_s,
+--   month_expire_s, res_id
+local now, actual, actual_cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
+local day_period, month_period = ARGV[6], ARGV[7]
+local day_expire_s, month_expire_s = ARGV[8], ARGV[9]
+local res_id = ARGV[10]
 local cur = math.floor(now / slot_s)
-if actual < tokens then
-  local slot = math.floor(taken_at / slot_s)
-  if slot >= cur - slots then
-    local have = hget_num(tpm_window, slot)
-    if have > 0 then redis.call('HINCRBY', tpm_window, slot, -math.min(tokens - actual, have)) end
+
+local result = -1
+for i = 1, #KEYS / 6 do
+  local k = (i - 1) * 6
+  local tpm_window, day_hash, month_hash = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local holds_zset, meta_hash, res_hash = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+  local r = redis.call('HMGET', res_hash, 'tokens', 'taken_at', 'day_key', 'month_key', 'state', 'cost')
+  if r[5] ~= 'settled' then  -- idempotent: the first settle left this tombstone
+    -- a hold reaped (its lease ran out) or long gone: bill the tokens anyway, nothing is left to give back
+    local held = r[1] and r[5] ~= 'reaped'
+    local tokens, taken_at = tonumber(r[1] or actual), tonumber(r[2] or now)
+    local held_cost = tonumber(r[6] or actual_cost)
+    if actual < tokens then
+      local slot = math.floor(taken_at / slot_s)
+      if slot >= cur - slots then
+        local have = hget_num(tpm_window, slot)
+        if have > 0 then redis.call('HINCRBY', tpm_window, slot, -math.min(tokens - actual, have)) end
+      end
+    elseif actual > tokens then
+      redis.call('HINCRBY', tpm_window, cur, actual - tokens)
+      redis.call('PEXPIRE', tpm_window, math.ceil((slots + 2) * slot_s * 1000))
+    end
+    local over = math.max(0, actual - tokens)
+    local cost_over = math.max(0, actual_cost - held_cost)
+    local periods = {{day_hash, r[3], day_period, day_expire_s}, {month_hash, r[4], month_period, month_expire_s}}
+    for _, p in ipairs(periods) do
+      if held and p[2] == p[3] then  -- else it left with its period
+        give_back(p[1], 'reserved', tokens)
+        give_back(p[1], 'cost_reserved', held_cost)
+      end
+      redis.call('HINCRBY', p[1], 'spent', actual)
+      redis.call('HINCRBY', p[1], 'overshoot', over)
+      redis.call('HINCRBY', p[1], 'cost_spent', actual_cost)
+      redis.call('HINCRBY', p[1], 'cost_overshoot', cost_over)
+      redis.call('EXPIRE', p[1], p[4])
+    end
+    if held then give_back(meta_hash, 'reserved', tokens) end
+    redis.call('ZREM', holds_zset, res_id)
+    redis.call('HSET', res_hash, 'state', 'settled')
+    redis.call('EXPIRE', res_hash, 86400)
+    if i == 1 then result = over end
   end
-elseif actual > tokens then
-  redis.call('HINCRBY', tpm_window, cur, actual - tokens)
-  redis.call('PEXPIRE', tpm_window, math.ceil((slots + 2) * slot_s * 1000))
 end
-local over = math.max(0, actual - tokens)
-local periods = {{day_hash, r[3], day_period, day_expire_s}, {month_hash, r[4], month_period, month_expire_s}}
-for _, p in ipairs(periods) do
-  if held and p[2] == p[3] then give_back(p[1], 'reserved', tokens) end  -- else it left with its period
-  redis.call('HINCRBY', p[1], 'spent', actual)
-  redis.call('HINCRBY', p[1], 'overshoot', over)
-  redis.call('EXPIRE', p[1], p[4])
-end
-if held then give_back(meta_hash, 'reserved', tokens) end
-redis.call('ZREM', holds_zset, res_id)
-redis.call('HSET', res_hash, 'state', 'settled')
-redis.call('EXPIRE', res_hash, 86400)
-return over
+return result
 """
 )
 
-# Take a concurrency lease unless the team is at its maximum (expired leases are dropped first). Returns 1 or 0.
-ACQUIRE_ARGV = ("now", "lease_s", "max_concurrency", "lease_id")
+# Take a concurrency lease on every subject's slots (the team's; the key's too when KEYS has two) unless one is at
+# its maximum (expired leases are dropped first). Returns 1 or 0.
+ACQUIRE_ARGV = ("now", "lease_s", "max_concurrency", "lease_id", "key_max_concurrency")
 ACQUIRE = """
--- KEYS: slots_zset
--- ARGV: now, lease_s, max_concurrency (-1: unlimited), lease_id
-local slots_zset = KEYS[1]
-local now, lease_s, max_concurrency, lease_id = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+-- KEYS: slots_zset (the team's), then the key's slots_zset when the key has limits of its own
+-- ARGV: now, lease_s, max_concurrency (-1: unlimited), lease_id, key_max_concurrency (-1: unlimited)
+local now, lease_s, lease_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4]
+local maxes = {tonumber(ARGV[3]), tonumber(ARGV[5])}
 
-redis.call('ZREMRANGEBYSCORE', slots_zset, '-inf', now)
-if max_concurrency >= 0 and redis.call('ZCARD', slots_zset) >= max_concurrency then return 0 end
-redis.call('ZADD', slots_zset, now + lease_s, lease_id)
-redis.call('PEXPIRE', slots_zset, math.ceil(lease_s * 1000) + 1000)
+for i = 1, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  if maxes[i] >= 0 and redis.call('ZCARD', KEYS[i]) >= maxes[i] then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('ZADD', KEYS[i], now + lease_s, lease_id)
+  redis.call('PEXPIRE', KEYS[i], math.ceil(lease_s * 1000) + 1000)
+end
 return 1
 """
 

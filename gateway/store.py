@@ -34,7 +34,7 @@ from gateway.store_db import (
     sqlite_connect,
 )
 from gateway.store_usage import UsageQueries, UsageRow
-from policies.limits import TeamLimits
+from policies.limits import KeyLimits, TeamLimits
 
 __all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "UsageRow"]
 
@@ -42,15 +42,25 @@ __all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "Usa
 LIMIT_COLUMNS = (
     "rpm", "tpm", "tokens_per_day", "tokens_per_month", "max_concurrency", "max_prompt_tokens",
     "max_output_tokens", "allowed_models", "priority", "weight", "queue_timeout_s", "ttft_timeout_s",
-    "total_timeout_s",
+    "total_timeout_s", "usd_per_day", "usd_per_month",
 )  # fmt: skip
 assert tuple(f.name for f in fields(TeamLimits)) == LIMIT_COLUMNS, "TeamLimits changed: add a migration"
+# key_limits columns (migration 0003), in KeyLimits order.
+KEY_LIMIT_COLUMNS = (
+    "rpm", "tpm", "tokens_per_day", "tokens_per_month", "usd_per_day", "usd_per_month", "max_concurrency",
+    "allowed_models",
+)  # fmt: skip
+assert tuple(f.name for f in fields(KeyLimits)) == KEY_LIMIT_COLUMNS, "KeyLimits changed: add a migration"
 
 _TEAM_SELECT = (
     f"SELECT t.id, t.name, t.enabled, t.created_at, {', '.join('l.' + c for c in LIMIT_COLUMNS)}"
     " FROM teams t LEFT JOIN team_limits l ON l.team_id = t.id"
 )
-_KEY_SELECT = "SELECT id, team_id, name, prefix, is_admin, created_at, expires_at, revoked_at FROM api_keys"
+_KEY_COLUMNS = "k.id, k.team_id, k.name, k.prefix, k.is_admin, k.created_at, k.expires_at, k.revoked_at"
+_KEY_SELECT = (
+    f"SELECT {_KEY_COLUMNS}, l.key_id, {', '.join('l.' + c for c in KEY_LIMIT_COLUMNS)}"
+    " FROM api_keys k LEFT JOIN key_limits l ON l.key_id = k.id"
+)
 
 
 class StoreError(Exception):
@@ -87,6 +97,7 @@ class ApiKey:
     created_at: str
     expires_at: str | None
     revoked_at: str | None
+    limits: KeyLimits | None = None  # its own limits, enforced together with its team's; None: the team's only
 
     def is_expired(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and parse_ts(self.expires_at) <= (now or datetime.now(UTC))
@@ -236,6 +247,7 @@ class Store(UsageQueries):
             if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
                 raise NotFound("team", team_id)
             # Explicit, not ON DELETE CASCADE: SQLite ignores that on connections without the pragma.
+            db.execute("DELETE FROM key_limits WHERE key_id IN (SELECT id FROM api_keys WHERE team_id = ?)", (team_id,))
             db.execute("DELETE FROM api_keys WHERE team_id = ?", (team_id,))
             db.execute("DELETE FROM team_limits WHERE team_id = ?", (team_id,))
             db.execute("DELETE FROM teams WHERE id = ?", (team_id,))
@@ -250,6 +262,7 @@ class Store(UsageQueries):
         is_admin: bool = False,
         expires_at: datetime | str | None = None,
         secret: str | None = None,
+        limits: KeyLimits | None = None,
     ) -> tuple[str, ApiKey]:
         """Returns (secret, key). The secret exists only in this return value: show it once.
 
@@ -281,6 +294,8 @@ class Store(UsageQueries):
                         format_ts(expires_at) if expires_at else None,
                     ),
                 )
+                if limits is not None:
+                    _write_key_limits(db, key_id, limits)
         except Exception as exc:
             if is_integrity_error(exc):  # that secret is stored already (another replica got there first)
                 raise Conflict("a key with this secret already exists") from exc
@@ -291,23 +306,22 @@ class Store(UsageQueries):
         """The key of this secret, revoked or expired included (the caller says which); None if unknown."""
         digest = keys.hash_secret(secret, self._pepper)
         rows = self._read(
-            "SELECT id, team_id, name, prefix, is_admin, created_at, expires_at, revoked_at, key_hash"
-            " FROM api_keys WHERE key_hash = ?",
+            f"SELECT k.key_hash, {_KEY_SELECT.removeprefix('SELECT ')} WHERE k.key_hash = ?",
             (digest,),
         )
-        if not rows or not keys.hashes_match(rows[0][8], digest):
+        if not rows or not keys.hashes_match(rows[0][0], digest):
             return None
-        return _key(rows[0][:8])
+        return _key(rows[0][1:])
 
     def get_key(self, key_id: str) -> ApiKey | None:
-        rows = self._read(_KEY_SELECT + " WHERE id = ?", (key_id,))
+        rows = self._read(_KEY_SELECT + " WHERE k.id = ?", (key_id,))
         return _key(rows[0]) if rows else None
 
     def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
         if team_id is None:
-            rows = self._read(_KEY_SELECT + " ORDER BY created_at, id")
+            rows = self._read(_KEY_SELECT + " ORDER BY k.created_at, k.id")
         else:
-            rows = self._read(_KEY_SELECT + " WHERE team_id = ? ORDER BY created_at, id", (team_id,))
+            rows = self._read(_KEY_SELECT + " WHERE k.team_id = ? ORDER BY k.created_at, k.id", (team_id,))
         return [_key(r) for r in rows]
 
     def revoke_key(self, key_id: str) -> ApiKey:
@@ -317,6 +331,29 @@ class Store(UsageQueries):
                 raise NotFound("key", key_id)
             db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now_ts(), key_id))
         return self.get_key(key_id)
+
+    def set_key_limits(self, key_id: str, limits: KeyLimits | None) -> ApiKey:
+        """Replace a team key's own limits (None: it has none, only its team's)."""
+        with self._tx() as db:
+            row = db.one("SELECT team_id FROM api_keys WHERE id = ?", (key_id,))
+            if not row:
+                raise NotFound("key", key_id)
+            if row[0] is None:
+                raise Conflict("an admin key has no team and no limits")
+            db.execute("DELETE FROM key_limits WHERE key_id = ?", (key_id,))
+            if limits is not None:
+                _write_key_limits(db, key_id, limits)
+        return self.get_key(key_id)
+
+
+def _write_key_limits(db: Db, key_id: str, limits: KeyLimits) -> None:
+    values = [getattr(limits, c) for c in KEY_LIMIT_COLUMNS]
+    models = KEY_LIMIT_COLUMNS.index("allowed_models")
+    values[models] = None if limits.allowed_models is None else json.dumps(list(limits.allowed_models))
+    columns = ", ".join(KEY_LIMIT_COLUMNS)
+    db.execute(
+        f"INSERT INTO key_limits (key_id, {columns}) VALUES (?{', ?' * len(KEY_LIMIT_COLUMNS)})", (key_id, *values)
+    )
 
 
 def _write_limits(db: Db, team_id: str, limits: TeamLimits) -> None:
@@ -348,4 +385,13 @@ def _key(row: tuple) -> ApiKey:
         created_at=row[5],
         expires_at=row[6],
         revoked_at=row[7],
+        limits=_key_limits(row[8:]) if len(row) > 8 and row[8] is not None else None,
     )
+
+
+def _key_limits(row: tuple) -> KeyLimits:
+    """A key_limits row (its key_id, then KEY_LIMIT_COLUMNS) as KeyLimits."""
+    raw = dict(zip(KEY_LIMIT_COLUMNS, row[1:], strict=True))
+    if raw["allowed_models"] is not None:
+        raw["allowed_models"] = json.loads(raw["allowed_models"])
+    return KeyLimits.from_dict(raw)

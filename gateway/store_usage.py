@@ -22,13 +22,42 @@ class UsageRow:
     cached_tokens: int
 
 
+@dataclass(frozen=True)
+class KeyUsageRow:
+    """A day's usage of one key by one end user (the request's `user`, '' when none) on one model."""
+
+    team_id: str
+    key_id: str
+    user: str
+    day: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost_micros: int = 0
+
+
+_KEY_USAGE_COLUMNS = (
+    "team_id, key_id, user_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost_micros"
+)
+# What /admin/usage can group the per-key rows by, and the columns each grouping keeps.
+KEY_GROUPINGS = {"key": ("team_id", "key_id"), "user": ("team_id", "user_id")}
+
+
 class UsageQueries:
     """The usage half of `Store`: needs `_tx()` (one transaction) and `_read(sql, params)` from it."""
 
-    def record_usage(self, rows: list[UsageRow], watermark: tuple[str, int] | None = None) -> None:
-        """Adds each row to its (team, day, model) total, all in one transaction: all rows land or none.
-        `watermark` (writer, seq): the rows include every event of that writer up to seq, recorded atomically."""
-        if not rows and watermark is None:
+    def record_usage(
+        self,
+        rows: list[UsageRow],
+        watermark: tuple[str, int] | None = None,
+        key_rows: list[KeyUsageRow] | None = None,
+    ) -> None:
+        """Adds each row to its (team, day, model) total, and each key row to its (team, key, user, day, model)
+        total, all in one transaction: all rows land or none. `watermark` (writer, seq): the rows include every
+        event of that writer up to seq, recorded atomically."""
+        if not rows and watermark is None and not key_rows:
             return
         with self._tx() as db:
             if watermark is not None:
@@ -38,6 +67,21 @@ class UsageQueries:
                     " WHERE excluded.seq > usage_watermarks.seq",
                     watermark,
                 )
+            if key_rows:
+                db.executemany(
+                    f"INSERT INTO usage_daily_keys ({_KEY_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (team_id, key_id, user_id, day, model) DO UPDATE SET"
+                    " requests = usage_daily_keys.requests + excluded.requests,"
+                    " prompt_tokens = usage_daily_keys.prompt_tokens + excluded.prompt_tokens,"
+                    " completion_tokens = usage_daily_keys.completion_tokens + excluded.completion_tokens,"
+                    " cached_tokens = usage_daily_keys.cached_tokens + excluded.cached_tokens,"
+                    " cost_micros = usage_daily_keys.cost_micros + excluded.cost_micros",
+                    [
+                        (r.team_id, r.key_id, r.user, r.day, r.model, r.requests, r.prompt_tokens,
+                         r.completion_tokens, r.cached_tokens, r.cost_micros)
+                        for r in key_rows
+                    ],
+                )  # fmt: skip
             if not rows:
                 return
             db.executemany(
@@ -73,6 +117,36 @@ class UsageQueries:
             sql += " WHERE " + " AND ".join(where)
         rows = self._read(sql + " ORDER BY day, team_id, model", params)
         return [UsageRow(r[0], r[1], r[2], *(int(v) for v in r[3:])) for r in rows]
+
+    def usage_by(
+        self, group_by: str, team_id: str | None = None, since: str | None = None, until: str | None = None
+    ) -> list[tuple]:
+        """Daily totals per key ('key': team_id, key_id) or per end user ('user': team_id, user_id), both day bounds
+        inclusive: (team_id, key_or_user, day, model, requests, prompt, completion, cached, cost_micros) tuples."""
+        group = ", ".join(KEY_GROUPINGS[group_by])
+        where, params = [], []
+        for clause, value in (("team_id = ?", team_id), ("day >= ?", since), ("day <= ?", until)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = (
+            f"SELECT {group}, day, model, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),"
+            f" SUM(cached_tokens), SUM(cost_micros) FROM usage_daily_keys"
+        )
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" GROUP BY {group}, day, model ORDER BY day, {group}, model"
+        return [(*r[:4], *(int(v) for v in r[4:])) for r in self._read(sql, params)]
+
+    def spent_by_key(self, since_day: str) -> list[tuple[str, str, int, int]]:
+        """(team_id, key_id, prompt + completion tokens, cost micro-USD) per key since a day (inclusive): seeds the
+        keys' own budgets, and the teams' spend budgets (every request with a usage row has a key)."""
+        rows = self._read(
+            "SELECT team_id, key_id, COALESCE(SUM(prompt_tokens + completion_tokens), 0), COALESCE(SUM(cost_micros), 0)"
+            " FROM usage_daily_keys WHERE day >= ? GROUP BY team_id, key_id ORDER BY team_id, key_id",
+            (since_day,),
+        )
+        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
 
     def usage_watermark(self, writer: str) -> int:
         """The last event seq of `writer` whose usage is stored (0 if none)."""

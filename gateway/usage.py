@@ -1,6 +1,7 @@
 """Usage accounting off the request path: add() is a dict update; a background task flushes the totals.
 
-Rows are summed in memory per (team, UTC day, model) and written in one transaction every `flush_interval_s` and on
+Rows are summed in memory per (team, UTC day, model), and per (team, key, end user, UTC day, model) with their cost
+for the per-key table, and written in one transaction every `flush_interval_s` and on
 close. A flush that fails puts its rows back (summed with anything added meanwhile) for the next try, so a database
 outage delays usage but never loses it; close() retries and, as a last resort, logs the rows it could not write.
 Each row comes from an event (`seq`): a flush also stores the writer's last seq it covers, in the same transaction,
@@ -11,18 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from dataclasses import asdict
 
 from gateway.store import Store, UsageRow
-from policies.budget import day_key
+from gateway.store_usage import KeyUsageRow
+from policies.budget import DAY, MONTH, day_key, period_start_day
 
 log = logging.getLogger("tokenweir.usage")
 
-# requests, prompt_tokens, completion_tokens, cached_tokens
+# requests, prompt_tokens, completion_tokens, cached_tokens (and, per key, cost_micros)
 _Totals = list[int]
+_Batch = tuple[dict[tuple[str, str, str], _Totals], dict[tuple[str, str, str, str, str], _Totals]]
 
 
 class UsageRecorder:
@@ -33,6 +37,7 @@ class UsageRecorder:
         self.seq = 0  # the last event seq added (the watermark the next flush stores)
         self.flush_interval_s = flush_interval_s
         self._pending: dict[tuple[str, str, str], _Totals] = {}
+        self._pending_keys: dict[tuple[str, str, str, str, str], _Totals] = {}  # (team, key, user, day, model)
         self._flush_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._writing: asyncio.Future | None = None  # the store write in flight, awaited by close()
@@ -50,6 +55,9 @@ class UsageRecorder:
         requests: int = 1,
         day: str | None = None,
         seq: int | None = None,
+        key_id: str | None = None,
+        user: str | None = None,
+        cost_micros: int = 0,
     ) -> None:
         """Count one request. Sync and cheap: safe to call from a `finally` while the task is being cancelled."""
         # Checked here, at the caller, because a bad row would fail every later flush of the whole batch.
@@ -61,6 +69,10 @@ class UsageRecorder:
         totals[1] += prompt_tokens
         totals[2] += completion_tokens
         totals[3] += cached_tokens
+        if key_id is not None:
+            key_totals = self._pending_keys.setdefault((team_id, key_id, user or "", day, model), [0, 0, 0, 0, 0])
+            for i, v in enumerate((requests, prompt_tokens, completion_tokens, cached_tokens, max(0, cost_micros))):
+                key_totals[i] += v
         if seq is not None:
             self.seq = max(self.seq, seq)
 
@@ -83,12 +95,15 @@ class UsageRecorder:
     async def flush(self) -> int:
         """Write everything pending in one transaction. Returns the rows written; on failure re-raises, rows kept."""
         async with self._flush_lock:
-            if not self._pending:
+            if not self._pending and not self._pending_keys:
                 return 0
-            batch, self._pending = self._pending, {}
-            rows = [UsageRow(t, d, m, *totals) for (t, d, m), totals in batch.items()]
+            batch = (self._pending, self._pending_keys)
+            self._pending, self._pending_keys = {}, {}
+            rows = [UsageRow(t, d, m, *totals) for (t, d, m), totals in batch[0].items()]
+            key_rows = [KeyUsageRow(*k, *totals) for k, totals in batch[1].items()]
             watermark = (self.writer, self.seq) if self.writer is not None and self.seq else None
-            write = asyncio.ensure_future(asyncio.to_thread(self.store.record_usage, rows, watermark))
+            args = (rows, watermark, key_rows) if key_rows else (rows, watermark)
+            write = asyncio.ensure_future(asyncio.to_thread(self.store.record_usage, *args))
             self._writing = write
             try:
                 await asyncio.shield(write)
@@ -102,18 +117,19 @@ class UsageRecorder:
             self._settle(write, batch, len(rows))
             return len(rows)
 
-    def _settle(self, write: asyncio.Future, batch: dict[tuple[str, str, str], _Totals], n: int) -> None:
+    def _settle(self, write: asyncio.Future, batch: _Batch, n: int) -> None:
         if write.cancelled() or write.exception() is not None:
             self.failed_flushes += 1
             self._restore(batch)
         else:
             self.flushed_rows += n
 
-    def _restore(self, batch: dict[tuple[str, str, str], _Totals]) -> None:
-        for k, totals in batch.items():
-            current = self._pending.setdefault(k, [0, 0, 0, 0])
-            for i, v in enumerate(totals):
-                current[i] += v
+    def _restore(self, batch: _Batch) -> None:
+        for pending, rows in zip((self._pending, self._pending_keys), batch, strict=True):
+            for k, totals in rows.items():
+                current = pending.setdefault(k, [0] * len(totals))
+                for i, v in enumerate(totals):
+                    current[i] += v
 
     async def close(self, attempts: int = 3, backoff_s: float = 0.5) -> None:
         """Stop the loop and write what is left, retrying; rows that still cannot be written are logged in full."""
@@ -137,3 +153,28 @@ class UsageRecorder:
         for row in self.pending():
             # Last resort: the log line holds everything needed to replay the row by hand.
             log.error("usage row not written: %s", json.dumps(asdict(row)))
+        for k, totals in self._pending_keys.items():
+            log.error("key usage row not written: %s", json.dumps(asdict(KeyUsageRow(*k, *totals))))
+
+
+async def seed_key_budgets(store: Store, state) -> None:
+    """At start, after the teams' token budgets: the keys' own token and spend budgets and the teams' spend budgets,
+    from the per-key usage rows of this UTC day / month (a restart must not hand out fresh ones)."""
+    now = time.time()
+    day, month = period_start_day(DAY, now), period_start_day(MONTH, now)
+    today = await asyncio.to_thread(store.spent_by_key, day)
+    this_month = await asyncio.to_thread(store.spent_by_key, month)
+    by_key: dict[tuple[str, str], list[int]] = {}
+    by_team: dict[str, list[int]] = {}
+    for rows, i in ((today, 0), (this_month, 1)):
+        for team_id, key_id, tokens, cost in rows:
+            key = by_key.setdefault((team_id, key_id), [0, 0, 0, 0])
+            key[i], key[2 + i] = tokens, cost
+            by_team.setdefault(team_id, [0, 0])[i] += cost
+    for (team_id, key_id), (d_tokens, m_tokens, d_cost, m_cost) in by_key.items():
+        seed = functools.partial(state.seed_spend, key_id=key_id, day_cost=d_cost, month_cost=m_cost)
+        await asyncio.to_thread(seed, team_id, d_tokens, m_tokens)
+    for team_id, (d_cost, m_cost) in by_team.items():
+        tokens = [await asyncio.to_thread(store.spent_tokens, team_id, since) for since in (day, month)]
+        seed = functools.partial(state.seed_spend, day_cost=d_cost, month_cost=m_cost)
+        await asyncio.to_thread(seed, team_id, *tokens)

@@ -12,6 +12,9 @@ import calendar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from policies.decisions import Rejected
+from policies.retry import retry_after
+
 DAY = "day"
 MONTH = "month"
 
@@ -124,3 +127,42 @@ class Budget:
         assert spent >= 0
         self.roll(now)
         self.spent = spent
+
+
+def spend_rejection(
+    period: str,
+    limit_micros: int,
+    remaining_micros: int,
+    needed_micros: int,
+    reset_in_s: float,
+    headers: dict[str, str],
+    owner: str = "team",
+) -> Rejected:
+    """A daily or monthly spend (USD) budget said no; amounts in micro-USD (policies.pricing)."""
+    wait = retry_after(reset_in_s)
+    adj = {DAY: "daily", MONTH: "monthly"}[period]
+    whose = "the team's" if owner == "team" else "this API key's"
+
+    def usd(micros: int) -> str:
+        return f"${micros / 1_000_000:.6f}".rstrip("0").rstrip(".")
+
+    if needed_micros > limit_micros:
+        msg = (
+            f"Request too large for {whose} {adj} spend budget: it may cost up to {usd(needed_micros)} "
+            f"(prompt + max_tokens at the model's prices), the whole budget is {usd(limit_micros)}. Lower max_tokens."
+        )
+    else:
+        msg = (
+            f"Spend budget exhausted: {whose} {adj} spend budget is {usd(limit_micros)}, {usd(remaining_micros)} left; "
+            f"this request may cost up to {usd(needed_micros)} (prompt + max_tokens). "
+            f"It resets at the start of the next UTC {period}, in {wait}s."
+        )
+    return Rejected("budget_exhausted", msg, wait, headers)
+
+
+def as_key_rejection(rejected: Rejected) -> Rejected:
+    """A refusal by the API key's own limits: the same decision, its message naming the key, not the team."""
+    msg = rejected.message.replace("the team's", "this API key's")
+    if msg == rejected.message:
+        msg = f"{msg} (a limit of this API key)"
+    return Rejected(rejected.reason, msg, rejected.retry_after_s, rejected.headers)

@@ -1,4 +1,8 @@
-"""A team's limits as plain data, shared by the store, the admission policies and the state backends."""
+"""A team's and an API key's limits as plain data, shared by the store, the admission policies and the state backends.
+
+Both are "subjects" the state backends count the same way (rpm, tpm, day / month token and spend budgets); a key
+with limits is counted beside its team in one atomic reserve, so the tighter of the two wins.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class TeamLimits:
     queue_timeout_s: float | None = None
     ttft_timeout_s: float | None = None
     total_timeout_s: float | None = None
+    usd_per_day: float | None = None  # spend budgets, in USD at the pools' prices (config: price_*_per_1m)
+    usd_per_month: float | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -44,3 +50,46 @@ class TeamLimits:
 
     def allows_model(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """One API key's own limits, enforced together with its team's. None means no limit of the key's own."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+    usd_per_day: float | None = None
+    usd_per_month: float | None = None
+    max_concurrency: int | None = None
+    allowed_models: tuple[str, ...] | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.allowed_models is not None:
+            d["allowed_models"] = list(self.allowed_models)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KeyLimits:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if kwargs.get("allowed_models") is not None:
+            kwargs["allowed_models"] = tuple(kwargs["allowed_models"])
+        return cls(**kwargs)
+
+    def allows_model(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    @property
+    def counted(self) -> bool:
+        """Whether a reserve counts this key beside its team (it has a rate or budget limit of its own); a key
+        without one costs no extra state work. Its concurrency cap is a slot of its own, taken with the team's."""
+        budgets = (self.rpm, self.tpm, self.tokens_per_day, self.tokens_per_month, self.usd_per_day, self.usd_per_month)
+        return any(v is not None for v in budgets)
+
+
+def usd_micros(usd: float | None) -> int | None:
+    """A spend budget as the state backends count it: integer micro-USD (None: unlimited)."""
+    return None if usd is None else round(usd * 1_000_000)

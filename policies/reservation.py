@@ -21,3 +21,6 @@ class Reservation:
     actual_tokens: int | None = None  # prompt + completion once settled
     overshoot: int = 0  # actual beyond `tokens`, charged in full
     backend_id: str | None = None  # the hold's name in a shared backend (unique across replicas)
+    key_id: str | None = None  # the API key whose own counters this hold also took from (None: the team's only)
+    cost: int = 0  # micro-USD held on the spend budgets (policies.pricing)
+    actual_cost: int | None = None

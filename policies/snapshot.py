@@ -31,6 +31,13 @@ def ratelimit_headers(requests: WindowHeaders | None, tokens: WindowHeaders | No
     return headers
 
 
+def tighter(a: WindowHeaders | None, b: WindowHeaders | None) -> WindowHeaders | None:
+    """Of a team's and its key's window, the one the headers report: the one with less left."""
+    if a is None or b is None:
+        return a or b
+    return b if b.remaining < a.remaining else a
+
+
 def remaining(limit: int | None, taken: int) -> int | None:
     """What is left under `limit` (None: unlimited), never below zero."""
     return None if limit is None else max(0, limit - taken)
@@ -51,6 +58,15 @@ def budget_view(
     }
 
 
+def spend_view(period: str, key: str, limit: int | None, spent: int, reserved: int, overshoot: int, now: float) -> dict:
+    """`budget_view` of a spend budget: the counters are micro-USD, the view shows USD."""
+    view = budget_view(period, key, limit, spent, reserved, overshoot, now)
+    for name in ("limit", "spent", "reserved", "remaining", "overshoot"):
+        if view[name] is not None:
+            view[name] = round(view[name] / 1_000_000, 6)
+    return view
+
+
 def team_snapshot(
     team_id: str,
     *,
@@ -63,8 +79,10 @@ def team_snapshot(
     remaining_tokens: int | None,
     day: dict,
     month: dict,
+    day_usd: dict | None = None,
+    month_usd: dict | None = None,
 ) -> dict:
-    """A team's live counters (`day` / `month` from `budget_view`)."""
+    """A team's (or an API key's) live counters (`day` / `month` from `budget_view`, `*_usd` from `spend_view`)."""
     return {
         "team_id": team_id,
         "in_flight": in_flight,
@@ -80,4 +98,6 @@ def team_snapshot(
         "spent_month": month["spent"],
         "remaining_day": day["remaining"],
         "remaining_month": month["remaining"],
+        "day_usd": day_usd,
+        "month_usd": month_usd,
     }

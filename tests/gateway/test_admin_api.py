@@ -354,7 +354,7 @@ async def test_responses_match_the_openapi_schema(env):
     client, app, _ = env
     spec = (await client.get("/openapi.json")).json()
     admin_paths = {p: ops for p, ops in spec["paths"].items() if p.startswith("/admin")}
-    assert len(admin_paths) == 8
+    assert len(admin_paths) == 9
     for ops in admin_paths.values():
         for op in ops.values():
             assert op["summary"] and "422" not in op["responses"]  # errors are documented as OpenAI errors
@@ -362,8 +362,10 @@ async def test_responses_match_the_openapi_schema(env):
     r = await client.post("/admin/teams", json={"name": "alpha", "limits": {"rpm": 5, "allowed_models": ["m"]}})
     check_schema(r.json(), response_schema(spec, "/admin/teams", "post", 201), spec)
     tid = r.json()["id"]
-    r = await client.post(f"/admin/teams/{tid}/keys", json={"name": "k"})
+    r = await client.post(f"/admin/teams/{tid}/keys", json={"name": "k", "limits": {"rpm": 2, "usd_per_day": 1.5}})
     check_schema(r.json(), response_schema(spec, "/admin/teams/{team_id}/keys", "post", 201), spec)
+    r = await client.get(f"/admin/keys/{r.json()['id']}/limits")
+    check_schema(r.json(), response_schema(spec, "/admin/keys/{key_id}/limits", "get", 200), spec)
     r = await client.get("/admin/keys")
     check_schema(r.json(), response_schema(spec, "/admin/keys", "get", 200), spec)
     r = await client.get(f"/admin/teams/{tid}/state")

@@ -11,7 +11,8 @@ import pytest
 from gateway import keys
 from gateway.store import Conflict, NotFound, Store, UsageRow
 from gateway.store_db import DB_ERRORS, split_sql
-from policies.limits import TeamLimits
+from gateway.store_usage import KeyUsageRow
+from policies.limits import KeyLimits, TeamLimits
 from tests.gateway.store_fixtures import open_store, pg_schema_url
 
 SCHEMA_VERSION_DDL = "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name TEXT, applied_at TEXT)"
@@ -24,9 +25,9 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1, 2]
+    assert store.schema_versions() == [1, 2, 3]
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1, 2]
+    assert store.schema_versions() == [1, 2, 3]
 
 
 def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
@@ -224,14 +225,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1, 2]
+        assert stores[0].schema_versions() == [1, 2, 3]
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1, 2]
+    assert mem.schema_versions() == [1, 2, 3]
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()
@@ -276,3 +277,42 @@ def test_postgres_reconnects_after_the_server_drops_us():
             store.create_team("beta")  # a write is not retried blindly: the caller decides
         assert store.create_team("beta").name == "beta"  # and the next call has a new connection
         store.close()
+
+
+def test_key_limits_and_per_key_usage_persist(store: Store):
+    team = store.create_team("keyed", TeamLimits(usd_per_day=2.5))
+    assert store.get_team(team.id).limits.usd_per_day == 2.5
+    limits = KeyLimits(rpm=2, tokens_per_day=100, usd_per_month=1.25, max_concurrency=1, allowed_models=("m",))
+    secret, key = store.create_key(team.id, "limited", limits=limits)
+    _, plain = store.create_key(team.id, "plain")
+    assert key.limits == limits and store.find_key(secret).limits == limits and plain.limits is None
+    assert store.set_key_limits(key.id, KeyLimits(tpm=7)).limits == KeyLimits(tpm=7)
+    assert store.set_key_limits(key.id, None).limits is None
+    with pytest.raises(NotFound):
+        store.set_key_limits("key_nope", KeyLimits(rpm=1))
+    store.set_key_limits(plain.id, KeyLimits(rpm=3))
+    assert [k.limits for k in store.list_keys(team.id)] == [None, KeyLimits(rpm=3)]
+
+    store.record_usage(
+        [UsageRow(team.id, "2026-03-01", "m", 3, 30, 15, 0)],
+        key_rows=[
+            KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 10, 5, 0, 700),
+            KeyUsageRow(team.id, key.id, "bob", "2026-03-01", "m", 1, 10, 5, 0, 700),
+            KeyUsageRow(team.id, plain.id, "alice", "2026-03-01", "m", 1, 10, 5, 0, 700),
+        ],
+    )
+    store.record_usage([], key_rows=[KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 1, 1, 0, 10)])
+    assert sorted(store.usage_by("key", team.id)) == sorted(
+        [
+            (team.id, key.id, "2026-03-01", "m", 3, 21, 11, 0, 1410),
+            (team.id, plain.id, "2026-03-01", "m", 1, 10, 5, 0, 700),
+        ]
+    )
+    users = {r[1]: r for r in store.usage_by("user", team.id, since="2026-03-01", until="2026-03-01")}
+    assert users["alice"][4:] == (3, 21, 11, 0, 1410) and users["bob"][4:] == (1, 10, 5, 0, 700)
+    assert store.usage_by("user", team.id, since="2026-03-02") == []
+    spent = {k: (tokens, cost) for _, k, tokens, cost in store.spent_by_key("2026-03-01")}
+    assert spent == {key.id: (32, 1410), plain.id: (15, 700)}
+
+    store.delete_team(team.id)  # its keys' limits go with it; the usage rows stay for billing
+    assert store.get_key(key.id) is None and store.spent_by_key("2026-03-01")
