@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from gateway import relay
 from gateway.config import GatewayConfig
-from gateway.context import RequestContext, request_scope
+from gateway.context import RequestContext, clip, request_scope
 from gateway.disconnect import wait_disconnect
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
@@ -148,6 +148,8 @@ class Admission:
             priority=priority,
             client_usage=bool(opts.get("include_usage")),
             client_continuous=bool(opts.get("continuous_usage_stats")),
+            key_limits=principal.key.limits,
+            user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
         )
 
     def check_model(self, ctx: RequestContext) -> None:
@@ -160,11 +162,22 @@ class Admission:
             )
         if not ctx.limits.allows_model(ctx.model):
             raise APIError(403, f"Your team may not use the model '{ctx.model}'.", "model_not_allowed", param="model")
+        if ctx.key_limits is not None and not ctx.key_limits.allows_model(ctx.model):
+            raise APIError(
+                403, f"This API key may not use the model '{ctx.model}'.", "model_not_allowed", param="model"
+            )
+        if ctx.kind == "embeddings" and not self.upstreams.pools[ctx.model].serves_embeddings:
+            raise APIError(
+                400,
+                f"The model '{ctx.model}' does not serve embeddings; use /v1/embeddings with an embedding model.",
+                "model_not_supported",
+                param="model",
+            )
 
     def count_prompt(self, ctx: RequestContext) -> None:
         counter = self.counter(ctx.model)
-        if ctx.kind != "chat":
-            ctx.prompt_tokens = counter.count_prompt(ctx.body["prompt"])
+        if ctx.kind != "chat":  # an embeddings input has a completion prompt's shapes, and is counted the same
+            ctx.prompt_tokens = counter.count_prompt(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
             return
         pool = self.upstreams.pools[ctx.model].cfg
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
@@ -181,6 +194,13 @@ class Admission:
 
     def apply_caps(self, ctx: RequestContext) -> None:
         body = ctx.body
+        if ctx.kind == "embeddings":  # input only: the team's prompt cap applies, nothing is generated
+            cap = apply_caps(ctx.prompt_tokens, None, max_prompt_tokens=ctx.limits.max_prompt_tokens)
+            if not cap.ok:
+                ctx.reason = cap.error.reason
+                raise APIError(400, cap.error.message.replace("messages", "input"), "context_length_exceeded", "input")
+            ctx.max_tokens = 0
+            return
         requested = body.get("max_completion_tokens") or body.get("max_tokens")
         pool = self.upstreams.pools[ctx.model].cfg
         cap = apply_caps(
@@ -197,17 +217,24 @@ class Admission:
         if requested is None and ctx.limits.max_output_tokens is None:
             # Nothing but the context bounds it: reserve the gateway default, not the whole context window.
             max_tokens = min(max_tokens or self.config.default_max_tokens, self.config.default_max_tokens)
-        ctx.max_tokens = max_tokens or self.config.default_max_tokens
-        # The upstream must never make more than we reserved for.
+        per_choice = max_tokens or self.config.default_max_tokens
+        # The upstream must never make more than we reserved for: max_tokens per choice (the body keeps OpenAI's
+        # meaning), and every choice it generates reserved (n of them, or best_of, which upstreams bill too).
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        body[key] = ctx.max_tokens
+        body[key] = per_choice
+        ctx.choices = max(body.get("n") or 1, body.get("best_of") or 1)
+        ctx.max_tokens = per_choice * ctx.choices
 
     async def reserve(self, ctx: RequestContext) -> None:
+        prices = self.upstreams.pools[ctx.model].cfg.prices
+        ctx.cost_reserved = prices.max_cost_micros(ctx.prompt_tokens, ctx.max_tokens) if prices else 0
+        # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits adds none.
+        key = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
         try:
             try:
                 if not self.state_ready:
                     raise StateUnavailable("the shared state is not seeded yet")
-                reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+                reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
                 ctx.reservation = await self.taking(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
             except StateUnavailable as e:
                 self.settler.defer(e)
@@ -215,7 +242,8 @@ class Admission:
                     raise self.state_unavailable(e) from None
                 log.warning("state_unavailable_fail_open", error=str(e))
                 ctx.local_state = True
-                ctx.reservation = await self.local.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens)
+                local = self.local.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
+                ctx.reservation = await local
         except Rejected as r:
             raise _api_error(r) from None
 
@@ -231,21 +259,25 @@ class Admission:
 
     async def take_slot(self, ctx: RequestContext) -> None:
         state = self.local if ctx.local_state else self.state
+        key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
+        key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
         try:
-            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency)
-            got = await self.taking(acquire, lambda _: state.release_slot(ctx.team_id), ctx)
+            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_id=key_id, key_max=key_max)
+            got = await self.taking(acquire, lambda _: state.release_slot(ctx.team_id, key_id=key_id), ctx)
         except StateUnavailable as e:
             self.settler.defer(e)
             raise self.state_unavailable(e) from None
         if not got:
+            team_max = ctx.limits.max_concurrency
+            whose = "this API key" if key_max is not None and (team_max is None or key_max <= team_max) else "your team"
+            most = key_max if whose == "this API key" else team_max
             raise APIError(
                 429,
-                f"Too many requests in flight: your team may run {ctx.limits.max_concurrency} at once. "
-                "Retry when one finishes.",
+                f"Too many requests in flight: {whose} may run {most} at once. Retry when one finishes.",
                 "concurrency",
                 headers={"retry-after": "1"},
             )
-        ctx.slot = True
+        ctx.slot, ctx.slot_key_id = True, key_id
 
     async def enter_queue(self, ctx: RequestContext) -> None:
         timeout = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s

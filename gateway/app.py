@@ -41,7 +41,7 @@ from gateway.state import InMemoryState, StateUnavailable
 from gateway.state_redis import REDIS_ERRORS, RedisState
 from gateway.store import Store
 from gateway.upstream import Upstreams
-from gateway.usage import UsageRecorder
+from gateway.usage import UsageRecorder, seed_key_budgets
 from policies.budget import DAY, MONTH, day_key, period_start_day
 
 log = get_logger()
@@ -143,7 +143,18 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
             model = e.get("served_model") or e.get("model")
             prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
             day = day_key(e["ts"])
-            usage.add(e["team"], model, prompt, completion, e.get("cached_tokens") or 0, day=day, seq=e["seq"])
+            usage.add(
+                e["team"],
+                model,
+                prompt,
+                completion,
+                e.get("cached_tokens") or 0,
+                day=day,
+                seq=e["seq"],
+                key_id=e.get("key_id"),
+                user=e.get("user"),
+                cost_micros=round((e.get("cost") or 0) * 1_000_000),
+            )
             replayed += 1
     events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last
     if replayed:
@@ -177,9 +188,10 @@ async def seed_budgets(store: Store, state) -> None:
     for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
         if day_tokens or month_tokens:
             await asyncio.to_thread(state.seed_spend, team_id, day_tokens, month_tokens)
+    await seed_key_budgets(store, state)  # the keys' own budgets, and every spend (USD) budget
 
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLIENT_GONE = APIError(499, "The client closed the connection before the request was read.", "client_disconnected")
 SHUTTING_DOWN = APIError(503, "The gateway is shutting down; retry.", "shutting_down", headers={"retry-after": "1"})
 

@@ -43,7 +43,8 @@ def orjson_body(raw: bytes) -> dict:
 
 
 def check_body(data: dict, raw: bytes, schema: TypeAdapter) -> dict:
-    """Validate a body parsed from `raw` against `schema` (CHAT or COMPLETION); returns the body itself, untouched."""
+    """Validate a body parsed from `raw` against `schema` (CHAT, COMPLETION or EMBEDDING); returns the body itself,
+    untouched."""
     # Fewer brackets than the limit cannot nest past it: counting them is the cheapest check while a body is small.
     if (len(raw) > _COUNT_MAX or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH) and nests_too_deep(data):
         where = too_deep(data, MAX_DEPTH)
@@ -59,10 +60,28 @@ def check_body(data: dict, raw: bytes, schema: TypeAdapter) -> dict:
         schema.validate_python(data)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
-    if data.get("n") not in (None, 1):
-        message = "Unsupported value for 'n': only 1 is supported; send separate requests (or leave n out)."
-        raise APIError(400, message, "unsupported_value", param="n")
+    check_together(data)
     return data
+
+
+def check_together(data: dict) -> None:
+    """What one field cannot say alone, as OpenAI refuses it: top_logprobs without logprobs, best_of below n."""
+    if data.get("top_logprobs") is not None and data.get("logprobs") is not True and "messages" in data:
+        raise APIError(
+            400,
+            "Invalid value for 'top_logprobs': it needs 'logprobs' set to true; set logprobs: true or leave "
+            "top_logprobs out.",
+            "invalid_value",
+            param="top_logprobs",
+        )
+    n, best_of = data.get("n"), data.get("best_of")
+    if isinstance(best_of, int) and best_of and best_of < (n or 1):
+        raise APIError(
+            400,
+            f"Invalid value for 'best_of': it must be at least 'n' ({n or 1}), but got {best_of}.",
+            "invalid_value",
+            param="best_of",
+        )
 
 
 def parse_json(raw: bytes, schema: TypeAdapter) -> dict:
@@ -194,6 +213,10 @@ def validation_error(errors) -> APIError:
         loc = loc[1:]
     kind, value = err.get("type"), err.get("input")
     path = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("~"))]  # union tags are not fields
+    if path and path[-1] == "[key]":  # a dict's key failed (logit_bias): name the key, say what keys must be
+        path = path[:-1]
+        if kind == "string_pattern_mismatch":
+            kind, err = "key_invalid", {**err, "msg": "keys must be token ids written as strings ('50256')"}
     if kind == "invalid_message":  # a message whose role picks no message type: name `role`, or the message
         kind, value, path = _message_error(value, path)
     param = ".".join(path) or None
@@ -219,6 +242,8 @@ def validation_error(errors) -> APIError:
         message = (
             "expected a non-empty " + ("string" if kind == "string_too_short" else "array") + ", but got an empty one"
         )
+    elif kind == "string_pattern_mismatch":
+        message = f"expected a string matching {ctx.get('pattern')}, but got {_shown(value)} instead"
     elif kind == "role_invalid":
         message = f"expected one of {', '.join(repr(r) for r in MESSAGE_ROLES)}, but got {_shown(value)} instead"
     else:

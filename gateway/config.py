@@ -23,6 +23,8 @@ from pathlib import Path
 import orjson
 import yaml
 
+from policies.pricing import Prices
+
 ENV_PREFIX = "TOKENWEIR_"
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
 OTHER_ENV = frozenset(
@@ -78,16 +80,33 @@ class PoolConfig:
     route_load_epsilon: float = 0.25  # bounded load: no prefix affinity above (1 + eps) x the mean load
     route_max_waiting: int = 8  # nor for an engine whose queue is longer
     prefix_index_entries: int = 100_000  # block hashes this replica remembers for the pool (LRU)
+    # Prices in USD per 1M tokens (None: unpriced, costs 0): events carry `cost`, spend budgets count it.
+    # Cached prompt tokens cost price_cached_per_1m (None: the input price).
+    price_input_per_1m: float | None = None
+    price_output_per_1m: float | None = None
+    price_cached_per_1m: float | None = None
+    # Whether the pool serves /v1/embeddings. None: yes for a pool of external members only (our engine has none).
+    embeddings: bool | None = None
 
     def __post_init__(self) -> None:
         if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
             raise ValueError(
                 f"pool {self.model}: route: expected prefix, least_loaded or round_robin, got {self.route!r}"
             )
+        prices = (self.price_input_per_1m, self.price_output_per_1m, self.price_cached_per_1m)
+        if any(p is not None and not p >= 0 for p in prices):
+            raise ValueError(f"pool {self.model}: price_input_per_1m, price_output_per_1m, price_cached_per_1m >= 0")
         if self.route_load_epsilon < 0 or self.route_max_waiting < 0 or self.prefix_index_entries < 1:
             raise ValueError(
                 f"pool {self.model}: route_load_epsilon >= 0, route_max_waiting >= 0, prefix_index_entries >= 1"
             )
+
+    @property
+    def prices(self) -> Prices | None:
+        """The pool's prices, None when it has none (its requests cost nothing against spend budgets)."""
+        if self.price_input_per_1m is None and self.price_output_per_1m is None:
+            return None
+        return Prices(self.price_input_per_1m or 0.0, self.price_output_per_1m or 0.0, self.price_cached_per_1m)
 
     @property
     def strategy(self) -> str:

@@ -14,7 +14,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from policies.limits import TeamLimits
+from policies.limits import KeyLimits, TeamLimits
 
 if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
@@ -62,7 +62,7 @@ class RequestContext:
     """Everything one request carries through the steps, and what its event will say."""
 
     request_id: str
-    kind: str  # "chat" | "completions"
+    kind: str  # "chat" | "completions" | "embeddings"
     body: dict
     team_id: str
     key_id: str
@@ -74,7 +74,8 @@ class RequestContext:
     priority: int
     client_usage: bool = False
     client_continuous: bool = False
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # output tokens reserved: choices x the body's max_tokens (0 for embeddings)
+    choices: int = 1  # sequences the upstream generates: max(n, best_of)
     prompt_tokens: int = 0
     reservation: object | None = None
     slot: bool = False
@@ -105,6 +106,11 @@ class RequestContext:
     spilled_prompt_tokens: int = 0
     spilled_completion_tokens: int = 0
     watching: bool = True  # a client disconnect may still cancel the handler
+    # The API key's own limits (None: only the team's), enforced with the team's in the same reserve / slot
+    key_limits: KeyLimits | None = None
+    slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
+    user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
+    cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
 
     @property
     def path(self) -> str:

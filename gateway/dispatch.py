@@ -22,6 +22,9 @@ from gateway.prompt_ids import prompt_token_ids
 from gateway.settle import Settler
 from gateway.upstream import Hop, Upstreams
 
+# The upstream path of each kind of request (the same as the client's).
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
 
 class Dispatcher:
     def __init__(
@@ -40,9 +43,11 @@ class Dispatcher:
         prompt's block hashes for the prefix index."""
         pool = self.upstreams.pools[ctx.model]
         token_ids = None
-        if pool.cfg.strategy == "prefix":
+        if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
             token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
         hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
+        if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
+            hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
         ctx.route_reason = why.as_dict()
         self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()
         if why.reason.startswith("prefix_"):  # the prompt's hashes were looked up (not a fallback to load)
@@ -115,7 +120,7 @@ class Dispatcher:
         body = self.upstream_body(ctx, hop)
         try:
             obj, raw = await relay.call_json(
-                self.client, hop, ctx.path, body, ctx.upstream_id, ctx.deadline_base + total
+                self.client, hop, PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
             )
         except TimeoutError:
             ctx.status, ctx.reason = "timeout", "timeout"
@@ -125,10 +130,17 @@ class Dispatcher:
             ctx.upstream_end = time.perf_counter()
         ctx.incomplete = False
         ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
-        ctx.usage = obj.get("usage")
+        ctx.usage = obj.get("usage") or self.estimated_usage(ctx, obj)
         choices = obj.get("choices") or [{}]
         ctx.finish_reason = choices[0].get("finish_reason")
         return Response(raw, 200, headers=_rate_headers(ctx), media_type="application/json")
+
+    def estimated_usage(self, ctx: RequestContext, answer: dict) -> dict:
+        """An upstream that reported no usage: the prompt as admission counted it, the output as the text of every
+        choice counts (the same documented estimate as a stream cut off before its usage)."""
+        text = relay.generated_text(answer)
+        completion = self.settler.counter(ctx.model).count_text(text) if text else 0
+        return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion}
 
     async def open_stream(self, ctx: RequestContext, hop: Hop) -> Response:
         loop = asyncio.get_running_loop()
@@ -141,7 +153,7 @@ class Dispatcher:
         first: list[bytes] = []
         try:
             ctx.sse = await relay.open_stream(
-                self.client, hop, ctx.path, self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
+                self.client, hop, PATHS[ctx.kind], self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
             )
             while chunks.first_token_at is None and not chunks.done:
                 data = await ctx.sse.next(first_deadline)

@@ -46,6 +46,9 @@ FIELDS = (
     "stream",
     "client_disconnected",
     "served_model",  # the pool whose hop served it (a fallback's name after failover): usage is kept under it
+    "user",  # the request's `user` field (the client's end user), clipped like every client string
+    "cost",  # USD at the serving pool's prices (config price_*_per_1m); null when the pool has none
+    "kind",  # chat | completion | embeddings
     "seq",
 )
 

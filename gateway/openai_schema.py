@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, NotRequired, Required, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, with_config
+from pydantic.json_schema import SkipJsonSchema
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 MAX_TOKENS = 2**31 - 1  # max_tokens and token ids: beyond any context window, within every store and engine
@@ -225,28 +226,137 @@ class StreamOptions(TypedDict, total=False):
     include_obfuscation: bool | None
 
 
+# Tools. A function's name is what OpenAI accepts (letters, digits, '_' and '-', at most 64); its parameters are a
+# JSON Schema whose top level describes an object. Tool types other than 'function' pass through to the upstream.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="[A-Za-z0-9_-]{1,64}")]
+
+
+@with_config(_STRICT)
+class FunctionParameters(TypedDict, total=False):
+    """A JSON Schema object; only its top level is checked (an object schema), the rest is the upstream's."""
+
+    type: Literal["object"]
+    properties: dict[str, Any]
+    required: list[str]
+
+
 @with_config(_STRICT)
 class FunctionDefinition(TypedDict):
-    name: str
+    name: FunctionName
     description: NotRequired[str]
-    parameters: NotRequired[Annotated[dict[str, Any], Field(description="A JSON Schema object.")]]
+    parameters: NotRequired[Annotated[FunctionParameters, Field(description="A JSON Schema object.")]]
     strict: NotRequired[bool | None]
 
 
 @with_config(_STRICT)
-class Tool(TypedDict):
-    type: str
-    function: NotRequired[FunctionDefinition]
+class FunctionTool(TypedDict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 @with_config(_STRICT)
-class ResponseFormat(TypedDict):
-    type: Annotated[str, Field(description="'text', 'json_object' or 'json_schema'.")]
-    json_schema: NotRequired[dict[str, Any] | None]
+class OtherTool(TypedDict):
+    """A tool type the gateway does not know ('custom', a vendor's): passed through to the upstream."""
+
+    type: Annotated[str, Field(json_schema_extra={"not": {"enum": ["function"]}})]
+
+
+def _tool_tag(tool) -> str | None:
+    if not isinstance(tool, dict):
+        return None
+    kind = tool.get("type")
+    return "~function" if kind == "function" else "~other"
+
+
+Tool = Annotated[
+    Union[  # noqa: UP007
+        Annotated[FunctionTool, Tag("~function")],
+        Annotated[OtherTool, Tag("~other")],
+    ],
+    Discriminator(_tool_tag, custom_error_type="invalid_type", custom_error_message="expected a tool object"),
+]
+
+
+@with_config(_STRICT)
+class NamedFunction(TypedDict):
+    name: FunctionName
+
+
+@with_config(_STRICT)
+class NamedToolChoice(TypedDict):
+    type: str
+    function: NotRequired[NamedFunction]
+
+
+# response_format: one of OpenAI's three types; json_schema carries a named schema.
+@with_config(_STRICT)
+class JSONSchemaFormat(TypedDict):
+    name: FunctionName
+    description: NotRequired[str]
+    schema: NotRequired[Annotated[dict[str, Any], Field(description="A JSON Schema object.")]]
+    strict: NotRequired[bool | None]
+
+
+@with_config(_STRICT)
+class TextFormat(TypedDict):
+    type: Literal["text"]
+
+
+@with_config(_STRICT)
+class JSONObjectFormat(TypedDict):
+    type: Literal["json_object"]
+
+
+@with_config(_STRICT)
+class JSONSchemaResponseFormat(TypedDict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+@with_config(_STRICT)
+class UnknownFormat(TypedDict):
+    """Only there to word the error of a missing or unknown `type` (left out of the OpenAPI document)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+def _format_tag(fmt) -> str | None:
+    if not isinstance(fmt, dict):
+        return None
+    kind = fmt.get("type")
+    return f"~{kind}" if isinstance(kind, str) and kind in _FORMAT_TYPES else "~unknown"
+
+
+ResponseFormat = Annotated[
+    Union[  # noqa: UP007
+        Annotated[TextFormat, Tag("~text")],
+        Annotated[JSONObjectFormat, Tag("~json_object")],
+        Annotated[JSONSchemaResponseFormat, Tag("~json_schema")],
+        Annotated[SkipJsonSchema[UnknownFormat], Tag("~unknown")],
+    ],
+    Discriminator(
+        _format_tag,
+        custom_error_type="invalid_type",
+        custom_error_message="expected an object with 'type' 'text', 'json_object' or 'json_schema'",
+    ),
+]
 
 
 Stop = _one_of("a string or an array of strings", string=str, array=list[str])
-ToolChoice = _one_of("a string ('none', 'auto' or 'required') or an object", string=str, object=dict[str, Any])
+ToolChoice = _one_of(
+    "a string ('none', 'auto' or 'required') or an object",
+    string=Literal["none", "auto", "required"],
+    object=NamedToolChoice,
+)
+FunctionCallChoice = _one_of(
+    "a string ('none' or 'auto') or an object with a 'name'", string=Literal["none", "auto"], object=NamedFunction
+)
+# logit_bias: token ids written as strings, each mapped to a bias in [-100, 100]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$", description="A token id, as a string.")]
+LogitBias = dict[TokenIdKey, Annotated[int, Field(ge=-100, le=100)]]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -294,7 +404,7 @@ class _Body(TypedDict, total=False):
     max_tokens: MaxTokens | None
     temperature: Annotated[float, _between(0, 2)] | None
     top_p: Annotated[float, _between(0, 1)] | None
-    n: Annotated[int, _between(1, 128, "Only 1 is supported.")] | None
+    n: Annotated[int, _between(1, 128, "Choices to generate; output is reserved for n x max_tokens.")] | None
     stream: bool | None
     stream_options: StreamOptions | None
     stop: Stop | None
@@ -302,7 +412,7 @@ class _Body(TypedDict, total=False):
     seed: Annotated[int, _between(-_INT64, _INT64 - 1)] | None
     presence_penalty: Penalty | None
     frequency_penalty: Penalty | None
-    logit_bias: dict[str, Annotated[int, _between(-100, 100)]] | None
+    logit_bias: LogitBias | None
     priority: Priority
 
 
@@ -317,7 +427,7 @@ class ChatCompletionRequest(_Body, total=False):
     parallel_tool_calls: bool | None
     response_format: ResponseFormat | None
     functions: list[FunctionDefinition] | None
-    function_call: ToolChoice | None
+    function_call: FunctionCallChoice | None
     store: bool | None
     metadata: dict[str, str] | None
     service_tier: str | None
@@ -336,3 +446,38 @@ class CompletionRequest(_Body, total=False):
 
 CHAT = TypeAdapter(ChatCompletionRequest)
 COMPLETION = TypeAdapter(CompletionRequest)
+
+
+# --- /v1/embeddings ---------------------------------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on the inputs of one request
+NonEmpty = Annotated[str, Field(min_length=1)]
+EmbeddingInput = Annotated[
+    Union[  # noqa: UP007
+        Annotated[NonEmpty, Tag("~string")],
+        Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("~strings")],
+        Annotated[TokenIds, Tag("~tokens")],
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("~token_lists")],
+    ],
+    Discriminator(
+        _prompt_tag,
+        custom_error_type="invalid_type",
+        custom_error_message="expected a string, an array of strings, an array of token ids (integers >= 0) "
+        "or an array of arrays of token ids",
+    ),
+]
+
+
+@with_config(_STRICT)
+class EmbeddingRequest(TypedDict, total=False):
+    """/v1/embeddings. Unknown fields pass through to the upstream."""
+
+    model: Required[Annotated[str, Field(min_length=1)]]
+    input: Required[EmbeddingInput]
+    encoding_format: Literal["float", "base64"] | None
+    dimensions: Annotated[int, _between(1, 65536)] | None
+    user: str | None
+    priority: Priority
+
+
+EMBEDDING = TypeAdapter(EmbeddingRequest)

@@ -203,10 +203,10 @@ class ChunkFilter:
                     self.finish_reason = c["finish_reason"]
                     produced = True
                 delta = c.get("delta")
-                piece = delta.get("content") if isinstance(delta, dict) else c.get("text")
+                piece = choice_text(delta) if isinstance(delta, dict) else c.get("text")
                 if piece:
                     produced = True
-                    if self.keep_text:
+                    if self.keep_text:  # every choice's (n > 1): what settle counts if no usage comes
                         self.text.append(piece)
             if produced:  # a role-only first chunk is not a token: TTFT waits for content
                 now = self.clock()
@@ -219,6 +219,35 @@ class ChunkFilter:
             del obj["usage"]
             return b"data: " + orjson.dumps(obj) + b"\n\n"
         return b"data: " + data + b"\n\n"
+
+
+def choice_text(message: dict) -> str | None:
+    """What a chat message or stream delta generated, as text to count: its content and its tool calls' names and
+    arguments (a delta carries pieces of them)."""
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if not calls or not isinstance(calls, list):
+        return content if isinstance(content, str) else None
+    pieces = [content] if isinstance(content, str) else []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            pieces += [v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str)]
+    return "".join(pieces) or None
+
+
+def generated_text(answer: dict) -> str:
+    """The text of every choice of a non-stream answer (chat messages or completion texts), to count when the
+    upstream reported no usage."""
+    pieces = []
+    for c in answer.get("choices") or ():
+        if not isinstance(c, dict):
+            continue
+        message = c.get("message")
+        piece = choice_text(message) if isinstance(message, dict) else c.get("text")
+        if isinstance(piece, str):
+            pieces.append(piece)
+    return "".join(pieces)
 
 
 def sse_error(message: str, code: str, type_: str = "server_error") -> bytes:

@@ -1,5 +1,5 @@
 """Thin routes: the /v1 endpoints (parse and validate the body like OpenAI does, then hand it to the admission
-pipeline) and their OpenAPI documentation.
+pipeline: chat, completions, embeddings; the team's models to list or retrieve) and their OpenAPI documentation.
 
 Parsing and validation live in gateway.body, the request schemas in gateway.openai_schema. The request schemas are
 published in the OpenAPI document through `openapi_extra` (built from the same models), so FastAPI documents the body
@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from gateway.admin_models import ErrorBody
 from gateway.auth import Principal, require_key
 from gateway.body import parse_body
-from gateway.openai_schema import CHAT, COMPLETION
+from gateway.errors import APIError
+from gateway.me import key_info
+from gateway.openai_schema import CHAT, COMPLETION, EMBEDDING
 from gateway.services import ServicesDep
 
 router = APIRouter()
@@ -72,11 +74,33 @@ class TextCompletion(ChatCompletion):
     object: str = "text_completion"
 
 
+class EmbeddingUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingList(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    max_model_len: int | None = None  # the context length, where known (tokenweir, as vLLM reports it)
 
 
 class ModelList(BaseModel):
@@ -101,7 +125,8 @@ _ERRORS = {
 _SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events (stream: true)."}}}
 
 
-def _inference_doc(schema: TypeAdapter, answer: type[BaseModel]) -> dict:
+def _inference_doc(schema: TypeAdapter, answer: type[BaseModel], stream: bool = True) -> dict:
+    ok = {"model": answer, "description": "The completion.", "content": _SSE} if stream else {"model": answer}
     return {
         "openapi_extra": {
             "requestBody": {
@@ -109,7 +134,7 @@ def _inference_doc(schema: TypeAdapter, answer: type[BaseModel]) -> dict:
                 "content": {"application/json": {"schema": _inline(schema.json_schema())}},
             }
         },
-        "responses": {200: {"model": answer, "description": "The completion.", "content": _SSE}, **_ERRORS},
+        "responses": {200: ok, **_ERRORS},
     }
 
 
@@ -130,6 +155,12 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
     return await services.admission.handle(request, principal, body, "completions")
 
 
+@router.post("/v1/embeddings", summary="Create embeddings", **_inference_doc(EMBEDDING, EmbeddingList, stream=False))
+async def embeddings(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
+    body = await parse_body(request, EMBEDDING)
+    return await services.admission.handle(request, principal, body, "embeddings")
+
+
 @router.get(
     "/v1/models",
     summary="List the models this key's team may use",
@@ -138,8 +169,43 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
 async def list_models(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
     limits = principal.team.limits if principal.team is not None else None
     models = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "tokenweir"}
-        for name in services.upstreams.pools
-        if limits is not None and limits.allows_model(name)
+        _card(name, pool) for name, pool in services.upstreams.pools.items() if limits and limits.allows_model(name)
     ]
     return JSONResponse({"object": "list", "data": models})
+
+
+@router.get(
+    "/v1/models/{model_id:path}",
+    summary="Retrieve a model this key's team may use",
+    responses={200: {"model": ModelCard, "description": "The model."}, **{k: _ERRORS[k] for k in (401, 403, 404)}},
+)
+async def retrieve_model(
+    model_id: str, services: ServicesDep, principal: Principal = Depends(require_key)
+) -> JSONResponse:
+    limits = principal.team.limits if principal.team is not None else None
+    pool = services.upstreams.pools.get(model_id)
+    if pool is None or limits is None or not limits.allows_model(model_id):  # not allowed reads as not there
+        raise APIError(
+            404,
+            f"The model '{_clip(model_id)}' does not exist or you do not have access to it.",
+            "model_not_found",
+            param="model",
+        )
+    return JSONResponse(_card(model_id, pool))
+
+
+def _card(name: str, pool) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenweir", "max_model_len": pool.max_model_len}
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 256 else text[:256] + "..."
+
+
+@router.get(
+    "/v1/me",
+    summary="This key's limits, its team's, and what is left to it now",
+    responses={401: _ERRORS[401], 403: _ERRORS[403]},
+)
+async def me(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
+    return JSONResponse(await key_info(services, principal))

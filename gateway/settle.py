@@ -27,6 +27,7 @@ from gateway.state import StateBackend, StateUnavailable
 from gateway.token_count import TokenCounter
 from gateway.upstream import Upstreams
 from policies.budget import day_key
+from policies.pricing import micros_to_usd
 
 log = get_logger()
 
@@ -57,7 +58,7 @@ class Settler:
         model = scope.model
         ctx = RequestContext(
             request_id=scope.request_id,
-            kind="chat" if request.url.path.endswith("/chat/completions") else "completions",
+            kind=_kind(request.url.path),
             body={},
             team_id=team.id if team is not None else None,
             key_id=principal.key.id if principal is not None else None,
@@ -104,7 +105,7 @@ class Settler:
         state = self.local if ctx.local_state else self.state
         if ctx.slot:
             ctx.slot = False
-            await self.state_change(state.release_slot(ctx.team_id), ctx)
+            await self.state_change(state.release_slot(ctx.team_id, key_id=ctx.slot_key_id), ctx)
         try:
             prompt, completion, cached = self.billable(ctx)
         except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
@@ -112,26 +113,51 @@ class Settler:
             prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
         if hop is not None:
             self._guard(self.release_hop, ctx, ctx.instance_ok)
+        cost = None
+        try:
+            cost = self.cost(ctx, prompt, completion, cached)
+        except Exception:  # noqa: BLE001 - a price that cannot be applied must not skip the settle below
+            log.exception("finish_cost_failed", request_id=ctx.request_id)
         ts = time.time()
         if ctx.reservation is not None:
-            await self.state_change(state.settle(ctx.reservation, prompt, completion, ts), ctx)
+            await self.state_change(state.settle(ctx.reservation, prompt, completion, ts, cost=cost or 0), ctx)
             if ctx.local_state and self.outbox is not None:
                 # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
                 op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
-                self.outbox.put(op | {"tokens": prompt + completion, "now": ts})
-        self._guard(self.record, ctx, ts, prompt, completion, cached)
+                key_id = ctx.reservation.key_id
+                self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
+        self._guard(self.record, ctx, ts, prompt, completion, cached, cost)
 
-    def record(self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int) -> None:
+    def cost(self, ctx: RequestContext, prompt: int, completion: int, cached: int) -> int | None:
+        """What the request cost in micro-USD at the prices of the pool that served it (None: unpriced)."""
+        pool = self.upstreams.pools.get(ctx.served_model or ctx.model)
+        prices = pool.cfg.prices if pool is not None else None
+        return None if prices is None else prices.cost_micros(prompt, completion, cached)
+
+    def record(
+        self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int, cost: int | None = None
+    ) -> None:
         """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
         write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
         seq = None
         try:
-            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts)
+            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts, cost)
         except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
             log.exception("event_write_failed", request_id=ctx.request_id)
         if ctx.route:
             model = ctx.served_model or ctx.model
-            self.usage.add(ctx.team_id, model, prompt, completion, cached, day=day_key(ts), seq=seq)
+            self.usage.add(
+                ctx.team_id,
+                model,
+                prompt,
+                completion,
+                cached,
+                day=day_key(ts),
+                seq=seq,
+                key_id=ctx.key_id,
+                user=ctx.user,
+                cost_micros=cost or 0,
+            )
 
     def defer(self, err: StateUnavailable) -> None:
         """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""
@@ -175,13 +201,21 @@ class Settler:
         return ctx.prompt_tokens, completion, 0
 
     def emit(
-        self, ctx: RequestContext, now: float, prompt: int, completion: int, cached: int, ts: float | None = None
+        self,
+        ctx: RequestContext,
+        now: float,
+        prompt: int,
+        completion: int,
+        cached: int,
+        ts: float | None = None,
+        cost: int | None = None,
     ) -> int:
         e2e = now - ctx.t0
         tpot = None
         chunks = ctx.chunks
-        if chunks is not None and chunks.first_token_at is not None and completion > 1:
-            tpot = (chunks.last_token_at - chunks.first_token_at) / (completion - 1)
+        per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
+        if chunks is not None and chunks.first_token_at is not None and per_choice > 1:
+            tpot = (chunks.last_token_at - chunks.first_token_at) / (per_choice - 1)
         if ctx.finish_reason is None and chunks is not None:
             ctx.finish_reason = chunks.finish_reason
         seq = self.events.emit(
@@ -210,7 +244,10 @@ class Settler:
                 "e2e_ms": _ms(e2e),
                 "finish_reason": ctx.finish_reason,
                 "stream": ctx.stream,
+                "kind": ctx.kind,
                 "client_disconnected": ctx.disconnected,
+                "user": ctx.user,
+                "cost": None if cost is None else micros_to_usd(cost),
             }
         )
         m = self.metrics
@@ -242,6 +279,12 @@ class Settler:
                 http_status=ctx.http_status,
             )
         return seq
+
+
+def _kind(path: str) -> str:
+    if path.endswith("/chat/completions"):
+        return "chat"
+    return "embeddings" if path.endswith("/embeddings") else "completions"
 
 
 def _ms(seconds: float | None) -> float | None:

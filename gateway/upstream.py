@@ -44,6 +44,7 @@ class Instance:
     # The process behind it is known to be gone (a supervised engine exited): circuit open, no probe, until a
     # /load poll sent after that answers again (`mark_up`).
     down_since: float | None = None
+    max_model_len: int | None = None  # our engine's context length, from its /v1/models (None: not known yet)
 
     @property
     def name(self) -> str:
@@ -99,7 +100,7 @@ class Instance:
         prefix index says it caches (a restarted engine starts empty)."""
         self.down_since = self.opened_at = now
         self.failures = max(self.failures, self.breaker.failures)
-        self.load = None
+        self.load = self.max_model_len = None  # a restarted engine may serve another length: ask again
         if self.index is not None:
             self.index.forget_instance(self.name)
         self._report()
@@ -144,6 +145,20 @@ class Pool:
     @property
     def model(self) -> str:
         return self.cfg.model
+
+    @property
+    def serves_embeddings(self) -> bool:
+        if self.cfg.embeddings is not None:
+            return self.cfg.embeddings
+        return bool(self.instances) and not any(i.cfg.engine for i in self.instances)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length /v1/models reports: the pool's max_context, else the shortest its engines report."""
+        if self.cfg.max_context is not None:
+            return self.cfg.max_context
+        known = [i.max_model_len for i in self.instances if i.max_model_len is not None]
+        return min(known) if known else None
 
     def ranked(self, now: float) -> list[Instance]:
         """Least loaded first (a fallback pool's hops)."""
@@ -286,6 +301,24 @@ class Upstreams:
                 inst.mark_up()
                 get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
             forget_evicted(inst, inst.load)
+            if inst.max_model_len is None:
+                inst.max_model_len = await _model_len(client, inst)
+
+
+async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
+    """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
+    try:
+        async with asyncio.timeout(2.0):
+            r = await client.request("GET", f"{inst.cfg.base_url}/v1/models")
+            try:
+                raw = await r.read()
+            finally:
+                await r.aclose()
+        data = orjson.loads(raw).get("data") if r.status_code == 200 else None
+    except (HTTPError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+        return None
+    value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def forget_evicted(inst: Instance, load: dict) -> None:

@@ -1,7 +1,8 @@
 """A minimal, fast OpenAI-compatible upstream for tests and benchmarks (raw ASGI, no validation layer).
 
-It speaks /v1/chat/completions and /v1/completions (stream and non-stream), /v1/models, /health, /load and
-/abort like our engine server does, and keeps exact counters so tests can check the gateway's accounting.
+It speaks /v1/chat/completions and /v1/completions (stream and non-stream, `n` choices), /v1/embeddings
+(deterministic vectors, float or base64), /v1/models, /health, /load and /abort like our engine server does, and
+keeps exact counters so tests can check the gateway's accounting, and the last bodies it received (`received`).
 
 Knobs (per request, in the body so they pass through the gateway as extra fields):
   "fake": {"ttft_ms": 0, "itl_ms": 0, "tokens": 16, "status": 200, "fail_after": None}
@@ -10,15 +11,20 @@ Knobs (per request, in the body so they pass through the gateway as extra fields
   - tokens: completion tokens to make (capped by max_tokens)
   - status: answer with this HTTP status and an OpenAI error body instead
   - fail_after: a stream that breaks (connection cut) after this many chunks
+  - usage: false to send no usage at all (an upstream that ignores stream_options)
 Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503).
 Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
-length; each stream chunk is one token.
+length; each stream chunk is one token; n choices make n x tokens. An embedding input costs what a prompt does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
+import hashlib
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +50,8 @@ class FakeUpstream:
     fail_next: int = 0
     down: bool = False
     requests_seen: int = 0
+    max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
+    received: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (path, body)
 
     # --- counters for tests ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
@@ -76,7 +84,8 @@ class FakeUpstream:
                     200,
                     {"num_running": running, "num_waiting": 0, "kv_cache_usage": 0.0, "num_free_blocks": 1000},
                 )
-            return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+            card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+            return await _json(send, 200, {"object": "list", "data": [card]})
         if method != "POST":
             return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
         body = await _read_body(receive)
@@ -86,9 +95,10 @@ class FakeUpstream:
             return await _json(send, 400, _err("bad json", "invalid_request_error", "invalid_json"))
         if path == "/abort":
             return await self._abort(send, req)
-        if path not in ("/v1/chat/completions", "/v1/completions"):
+        if path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
         self.requests_seen += 1
+        self.received.append((path, req))
         if self.down or self.fail_next > 0:
             self.fail_next = max(0, self.fail_next - 1)
             return await _json(send, 503, _err("upstream down", "service_unavailable", "unavailable"))
@@ -97,6 +107,8 @@ class FakeUpstream:
             return await _json(send, knobs["status"], _err("injected", "invalid_request_error", "injected"))
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id", b"").decode() or f"fake-{self.requests_seen}"
+        if path == "/v1/embeddings":
+            return await self._embed(send, req, rid)
         chat = path == "/v1/chat/completions"
         record = FakeRecord(rid, _count_prompt(req, chat), stream=bool(req.get("stream")))
         self.records[rid] = record
@@ -116,30 +128,34 @@ class FakeUpstream:
             await asyncio.sleep(knobs["ttft_ms"] / 1000)
         if record.status == "aborted":
             return await _json(send, 499, _err("aborted", "invalid_request_error", "aborted"))
-        record.completion_tokens = n_tokens
+        n = _choices(req)
+        record.completion_tokens = n_tokens * n
         record.status = "finished"
         text = "tok " * n_tokens
-        choice = {"index": 0, "finish_reason": "length" if n_tokens else "stop"}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        await _json(
-            send,
-            200,
-            {
-                "id": f"cmpl-{record.request_id}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": req.get("model", self.model),
-                "choices": [choice],
-                "usage": _usage(record),
-            },
-        )
+        choices = []
+        for index in range(n):
+            choice = {"index": index, "finish_reason": "length" if n_tokens else "stop"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        answer = {
+            "id": f"cmpl-{record.request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.get("model", self.model),
+            "choices": choices,
+        }
+        if knobs.get("usage", True):
+            answer["usage"] = _usage(record)
+        await _json(send, 200, answer)
 
     async def _stream(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
         opts = req.get("stream_options") or {}
         include_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        if not knobs.get("usage", True):
+            include_usage = continuous = False
         await send(
             {
                 "type": "http.response.start",
@@ -156,6 +172,7 @@ class FakeUpstream:
         if knobs.get("ttft_ms"):
             await asyncio.sleep(knobs["ttft_ms"] / 1000)
         fail_after, itl = knobs.get("fail_after"), knobs.get("itl_ms", 0)
+        n = _choices(req)
         for i in range(n_tokens):
             if record.status == "aborted":
                 break
@@ -166,23 +183,42 @@ class FakeUpstream:
             if fail_after is not None and i >= fail_after:
                 record.status = "cancelled"
                 raise ConnectionResetError("injected stream failure")  # uvicorn closes the connection
-            record.completion_tokens += 1
-            last = i == n_tokens - 1
-            finish = "length" if last else None
-            if chat:
-                choice = {"index": 0, "delta": {"content": "tok "}, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": "tok ", "finish_reason": finish}
-            chunk = {**base, "choices": [choice]}
-            if continuous:
-                chunk["usage"] = _usage(record)
-            await _sse(send, orjson.dumps(chunk))
+            finish = "length" if i == n_tokens - 1 else None
+            for index in range(n):  # one chunk per choice, as OpenAI streams n > 1
+                record.completion_tokens += 1
+                if chat:
+                    choice = {"index": index, "delta": {"content": "tok "}, "finish_reason": finish}
+                else:
+                    choice = {"index": index, "text": "tok ", "finish_reason": finish}
+                chunk = {**base, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = _usage(record)
+                await _sse(send, orjson.dumps(chunk))
         if record.status == "running":
             record.status = "finished"
         if include_usage:
             await _sse(send, orjson.dumps({**base, "choices": [], "usage": _usage(record)}))
         await _sse(send, b"[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _embed(self, send, req: dict, rid: str) -> None:
+        """Deterministic vectors (`dimensions` long, 8 by default) from each input's hash; usage as a prompt's."""
+        inputs = req.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs:
+            return await _json(send, 400, _err("input is required", "invalid_request_error", "invalid_value"))
+        dims = req.get("dimensions") or 8
+        record = FakeRecord(rid, sum(_count_prompt({"prompt": x}, False) for x in inputs), status="finished")
+        self.records[rid] = record
+        data = []
+        for index, item in enumerate(inputs):
+            vector = embedding_vector(item, dims)
+            if req.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        usage = {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens}
+        await _json(send, 200, {"object": "list", "data": data, "model": req.get("model", self.model), "usage": usage})
 
     async def _abort(self, send, req: dict) -> None:
         rid = req.get("request_id", "")
@@ -194,6 +230,23 @@ class FakeUpstream:
         if record.status in ("running", "cancelled"):
             record.status = "aborted"
         await _json(send, 200, {"request_id": rid, "status": status, "usage": _usage(record)})
+
+
+def _choices(req: dict) -> int:
+    n = req.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+
+
+def embedding_vector(item, dims: int) -> list[float]:
+    """The fake's embedding of one input: `dims` floats in [-1, 1) from the input's SHA-256 (float32-exact)."""
+    seed = orjson.dumps(item)
+    out: list[float] = []
+    block = 0
+    while len(out) < dims:
+        digest = hashlib.sha256(seed + block.to_bytes(4, "little")).digest()
+        out += [(b - 128) / 128 for b in digest]
+        block += 1
+    return out[:dims]
 
 
 def _count_prompt(req: dict, chat: bool) -> int:

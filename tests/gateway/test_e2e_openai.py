@@ -172,7 +172,7 @@ async def test_unknown_model_is_not_found(stack):
 
 @pytest.mark.parametrize(
     ("field", "value", "param"),
-    [("temperature", 3, "temperature"), ("top_p", 1.5, "top_p"), ("max_tokens", 0, "max_tokens"), ("n", 2, "n")],
+    [("temperature", 3, "temperature"), ("top_p", 1.5, "top_p"), ("max_tokens", 0, "max_tokens"), ("n", 129, "n")],
 )
 async def test_invalid_fields_are_bad_requests(stack, field, value, param):
     _, _, client = team_client(stack)

@@ -190,7 +190,9 @@ V1_CASES = {
     "n as a float": (CHAT, chat(n=1.5), "invalid_type", "n"),
     "n as a string": (CHAT, chat(n="1"), "invalid_type", "n"),
     "n as true": (CHAT, chat(n=True), "invalid_type", "n"),
-    "n of 2": (CHAT, chat(n=2), "unsupported_value", "n"),
+    "n of 0": (CHAT, chat(n=0), "invalid_value", "n"),
+    "n of 129": (COMPLETIONS, completion(n=129), "invalid_value", "n"),
+    "best_of below n": (COMPLETIONS, completion(n=3, best_of=2), "invalid_value", "best_of"),
     "max_tokens as a float": (CHAT, chat(max_tokens=1.5), "invalid_type", "max_tokens"),
     "max_tokens as true": (CHAT, chat(max_tokens=True), "invalid_type", "max_tokens"),
     "max_tokens of 0": (CHAT, chat(max_tokens=0), "invalid_value", "max_tokens"),
@@ -212,6 +214,14 @@ V1_CASES = {
     "user as an integer": (CHAT, chat(user=5), "invalid_type", "user"),
     "seed as a string": (CHAT, chat(seed="1"), "invalid_type", "seed"),
     "logit_bias out of range": (CHAT, chat(logit_bias={"50256": -101}), "invalid_value", "logit_bias.50256"),
+    "logit_bias keyed by a word": (CHAT, chat(logit_bias={"the": 1}), "invalid_value", "logit_bias.the"),
+    "top_logprobs without logprobs": (CHAT, chat(top_logprobs=1), "invalid_value", "top_logprobs"),
+    "a function tool without its function": (CHAT, chat(tools=[{"type": "function"}]), "missing_required_parameter",
+                                             "tools.0.function"),
+    "a function named with a space": (CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+                                      "invalid_value", "tools.0.function.name"),
+    "response_format of an unknown type": (CHAT, chat(response_format={"type": "yaml"}), "invalid_value",
+                                           "response_format.type"),
     "tools not an array": (CHAT, chat(tools={"type": "function"}), "invalid_type", "tools"),
     "tool without a type": (CHAT, chat(tools=[{"function": {"name": "f"}}]), "missing_required_parameter",
                             "tools.0.type"),
@@ -298,7 +308,7 @@ def test_bad_v1_bodies_get_a_400_naming_the_field(stack, case):
     path, body, code, param = case
     seen = len(stack["upstream"].bodies)
     message = assert_refused(stack, send(stack, "POST", path, body), 400, code, param)
-    assert any(word in message for word in ("expected", "only 1 is supported", "at most", "Missing")), message
+    assert any(word in message for word in ("expected", "must", "needs", "at most", "Missing")), message
     assert len(stack["upstream"].bodies) == seen, "a refused request reached the upstream"
 
 
@@ -445,6 +455,14 @@ def test_valid_edge_cases_pass_and_reach_the_upstream_untouched(stack):
 def test_every_prompt_shape_passes(stack, prompt):
     r = send(stack, "POST", COMPLETIONS, completion(prompt=prompt))
     assert r.status_code == 200, r.text
+
+
+def test_n_choices_pass_and_reach_the_upstream_with_max_tokens_per_choice(stack):
+    seen = len(stack["upstream"].bodies)
+    r = send(stack, "POST", CHAT, chat(n=3, max_tokens=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    (received,) = stack["upstream"].bodies[seen:]
+    assert (received["n"], received["max_tokens"]) == (3, 2)
 
 
 def test_stream_booleans_and_options_pass(stack):
