@@ -138,9 +138,12 @@ class EngineMetrics:
             self.observe_finished(seq, now)
 
     def observe_finished(self, seq: Sequence, now: float) -> None:
-        self.prompt_tokens.inc(seq.num_prompt_tokens)
+        """One finished sequence: a request, or one choice of an n > 1 request, whose prompt counts once (with its
+        first choice), as it is computed and billed once."""
+        if seq.index == 0:
+            self.prompt_tokens.inc(seq.num_prompt_tokens)
+            self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.generation_tokens.inc(seq.num_output_tokens)
-        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.request_generation_tokens.observe(seq.num_output_tokens)
         self.request_success.labels(self.model_name, seq.finish_reason or "abort").inc()
         self.e2e.observe(now - seq.arrival_time)

@@ -125,12 +125,15 @@ class ModelRunner:
         """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
         and {request id: its logprobs} for those of them that asked."""
         inputs, positions, meta, sampled = self.prepare(batch)
+        # Grammar masks are computed on a worker thread while the forward runs (both release the GIL).
+        guided = [seq.matcher for seq in sampled if seq.matcher is not None]
+        masks = self.sampler.structured.fill_masks_async(guided) if guided else None
         logits = self.model.forward(inputs, positions, self.kv_caches, meta, self._logits_indices)
         if self._prompt_rows:
             self._score_prompts(logits[len(sampled) :])
         if not sampled:
             return {}, {}
-        out = self.sampler(logits[: len(sampled)], sampled)
+        out = self.sampler(logits[: len(sampled)], sampled, masks.result() if masks is not None else None)
         ids = [seq.request_id for seq in sampled]
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
         return dict(zip(ids, out.token_ids, strict=True)), logprobs

@@ -45,15 +45,16 @@ class Sampler:
         return gen
 
     @torch.inference_mode()  # the logits are inference tensors, and penalties edit them in place
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: float32 [len(seqs), vocab]."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: float32 [len(seqs), vocab]. masks: the grammar masks of the rows with a matcher, in row order, if
+        already computed (StructuredOutputs.fill_masks_async)."""
         assert logits.shape[0] == len(seqs)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         self._apply_bias(logits, seqs)
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if guided:
-            self.structured.apply_masks(logits, guided, [seqs[i].matcher for i in guided])
+            self.structured.apply_masks(logits, guided, [seqs[i].matcher for i in guided], masks)
         token_ids = self._sample(logits, seqs)
         for i in guided:
             accepted = seqs[i].matcher.accept(token_ids[i])

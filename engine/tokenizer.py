@@ -285,6 +285,10 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self._id_bytes[token_id]
 
+    def all_token_bytes(self) -> list[bytes]:
+        """Bytes of every id, in id order (a copy): grammar engines build their token tries from it."""
+        return list(self._id_bytes)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         table = self._id_bytes
         if skip_special_tokens:
