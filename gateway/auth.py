@@ -31,6 +31,12 @@ class Principal:
     key: ApiKey
     team: Team | None  # None for an admin key that belongs to no team
 
+    def may_use(self, model: str) -> bool:
+        """Whether both the team's and the key's own allowed models include `model` (a teamless key: none)."""
+        if self.team is None or not self.team.limits.allows_model(model):
+            return False
+        return self.key.limits is None or self.key.limits.allows_model(model)
+
 
 def _invalid(message: str) -> APIError:
     return APIError(401, message, "invalid_api_key")

@@ -163,28 +163,24 @@ async def embeddings(request: Request, services: ServicesDep, principal: Princip
 
 @router.get(
     "/v1/models",
-    summary="List the models this key's team may use",
+    summary="List the models this key may use",
     responses={200: {"model": ModelList, "description": "The models."}, 401: _ERRORS[401], 403: _ERRORS[403]},
 )
 async def list_models(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
-    limits = principal.team.limits if principal.team is not None else None
-    models = [
-        _card(name, pool) for name, pool in services.upstreams.pools.items() if limits and limits.allows_model(name)
-    ]
+    models = [_card(name, pool) for name, pool in services.upstreams.pools.items() if principal.may_use(name)]
     return JSONResponse({"object": "list", "data": models})
 
 
 @router.get(
     "/v1/models/{model_id:path}",
-    summary="Retrieve a model this key's team may use",
+    summary="Retrieve a model this key may use",
     responses={200: {"model": ModelCard, "description": "The model."}, **{k: _ERRORS[k] for k in (401, 403, 404)}},
 )
 async def retrieve_model(
     model_id: str, services: ServicesDep, principal: Principal = Depends(require_key)
 ) -> JSONResponse:
-    limits = principal.team.limits if principal.team is not None else None
     pool = services.upstreams.pools.get(model_id)
-    if pool is None or limits is None or not limits.allows_model(model_id):  # not allowed reads as not there
+    if pool is None or not principal.may_use(model_id):  # not allowed reads as not there
         raise APIError(
             404,
             f"The model '{_clip(model_id)}' does not exist or you do not have access to it.",

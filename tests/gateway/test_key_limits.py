@@ -166,6 +166,14 @@ def test_a_key_may_use_only_its_allowed_models(stack):
     assert call(stack, free, model=OTHER).status_code == 200
     error(call(stack, limited, model="no-such-model"), 404, "model_not_found")
 
+    def models(secret: str) -> list[str]:
+        headers = {"authorization": f"Bearer {secret}"}
+        return [m["id"] for m in httpx.get(stack["url"] + "/v1/models", headers=headers, timeout=30).json()["data"]]
+
+    assert models(limited) == [MODEL] and sorted(models(free)) == [MODEL, OTHER]
+    headers = {"authorization": f"Bearer {limited}"}
+    assert httpx.get(f"{stack['url']}/v1/models/{OTHER}", headers=headers, timeout=30).status_code == 404
+
 
 def test_a_spend_budget_stops_a_key_at_its_cap(stack):
     # 1800 micro-USD a request: $0.004 fits 2 (3600), not a third
