@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible API as vLLM accepts it: requests in, responses out.
+"""Pydantic models of the OpenAI-compatible API's requests as vLLM accepts them (responses: engine/responses.py).
 
 Unknown request fields are ignored (as vLLM does); known fields are validated, so a wrong value is a 400 that names
 the field. Features the engine does not have (best_of > 1, suffix, tool_choice "auto") are refused with a message
@@ -7,14 +7,11 @@ instead of being silently dropped.
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
-
-# --- requests -------------------------------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
@@ -178,6 +175,16 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
+_UNSUPPORTED = {
+    "audio": "audio output is not supported by this model",
+    "prediction": "predicted outputs are not supported by this engine",
+    "functions": "the legacy 'functions' field is not supported: send 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported: send 'tool_choice'",
+    "reasoning_effort": "this model does not reason: leave reasoning_effort out",
+    "web_search_options": "web search is not supported by this engine",
+}
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -187,6 +194,29 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Fields that would change the answer and that this engine cannot honour: a 400 naming the field, not silence.
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and set(value) - {"text"}:
+            raise ValueError("this model answers in text only: send modalities ['text'] or leave it out")
+        return value
+
+    @field_validator("audio", "prediction", "functions", "function_call", "reasoning_effort", "web_search_options")
+    @classmethod
+    def _unhonoured(cls, value, info: ValidationInfo):
+        if value is not None:
+            raise ValueError(f"unsupported field '{info.field_name}': {_UNSUPPORTED[info.field_name]}")
+        return value
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:
@@ -241,7 +271,8 @@ class ChatCompletionRequest(_SamplingRequest):
                 }
                 for t in self.tools
             ]
-            return _json_schema("tool_calls", {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            one = {"maxItems": 1} if self.parallel_tool_calls is False else {}
+            return _json_schema("tool_calls", {"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}})
         if self.response_format is None or self.response_format.type == "text":
             return None
         return self.response_format.model_dump(exclude_none=True, by_alias=True)
@@ -316,150 +347,3 @@ class DetokenizeRequest(BaseModel):
 
 class AbortRequest(BaseModel):
     request_id: str = Field(min_length=1)
-
-
-# --- responses ------------------------------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprobEntry(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprobEntry]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "tokenweir"
-    root: str | None = None
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def dump_response(response: BaseModel) -> dict:
-    """A response model as JSON data. `token_ids` appear only where asked for (vLLM omits the key otherwise)."""
-    data = response.model_dump(mode="json")
-    for choice in data.get("choices", []):
-        if choice.get("token_ids") is None:
-            choice.pop("token_ids", None)
-    return data

@@ -10,15 +10,14 @@ import json
 import uuid
 
 from engine.output import RequestOutput
-from engine.protocol import (
+from engine.protocol import ChatCompletionRequest, CompletionRequest
+from engine.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
-    ChatCompletionRequest,
     ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     DeltaMessage,
     FunctionCall,
     FunctionCallDelta,

@@ -21,19 +21,15 @@ from engine.api.streaming import stream_response
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.llm_engine import RequestError
 from engine.output import RequestOutput
-from engine.protocol import (
-    AbortRequest,
+from engine.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.responses import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Completion,
-    CompletionRequest,
     DeltaMessage,
-    DetokenizeRequest,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     Usage,
     dump_response,
 )
@@ -246,6 +242,8 @@ def start(
     except RequestError as exc:
         if exc.param in ("prompt", "messages"):
             exc.param = prompt_param
+        if exc.param == "response_format" and getattr(body, "tool_mode", None):  # the schema came from a tool
+            exc.param = "tools"
         raise
 
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from engine.api.errors import to_api_error
 from engine.async_engine import RequestStream
 from engine.output import RequestOutput
-from engine.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, DeltaMessage, Usage, dump_response
+from engine.responses import ChatChunkChoice, ChatCompletionChunk, Completion, DeltaMessage, Usage, dump_response
 
 
 class RequestStreamResponse(StreamingResponse):

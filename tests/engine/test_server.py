@@ -524,6 +524,10 @@ async def test_chat_bad_requests(served):
             None,
         ),
         ({"messages": good, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens"),
+        ({"messages": good, "modalities": ["text", "audio"]}, "invalid_request", "modalities"),
+        ({"messages": good, "audio": {"voice": "alloy"}}, "invalid_request", "audio"),
+        ({"messages": good, "functions": [{"name": "f"}]}, "invalid_request", "functions"),
+        ({"messages": good, "reasoning_effort": "low"}, "invalid_request", "reasoning_effort"),
     ]
     for body, code, param in cases:
         r = await served.post("/v1/chat/completions", body)
