@@ -2,7 +2,7 @@
 sequences -> per-request outputs (text and stop strings included). Requests are checked once, at the edge, by
 `validate`: AsyncEngine.add_request for the server, LLM.generate offline; add_request only asserts.
 
-`LLM` is the offline convenience wrapper (`generate` a list of prompts to completion).
+The offline convenience wrapper is engine/llm.py.
 """
 
 from __future__ import annotations
@@ -314,35 +314,3 @@ class LLMEngine:
             logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :] if wants else None,
             prompt_logprobs=seq.prompt_logprobs if seq.prompt_logprobs and seq.num_output_tokens == 1 else None,
         )
-
-
-class LLM:
-    """Offline generation: `LLM(model=...).generate(prompts, params)` runs every prompt to completion."""
-
-    def __init__(self, model: str = "", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self._next_id = 0
-
-    def generate(
-        self,
-        prompts: list[list[int]] | list[str],
-        params: SamplingParams | list[SamplingParams],
-        priorities=None,
-    ) -> list[RequestOutput]:
-        """Returns, per prompt, a RequestOutput whose new_token_ids / new_text hold the whole completion."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = []
-        for i, (prompt, given) in enumerate(zip(prompts, params_list, strict=True)):
-            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            request_params = SamplingParams(**vars(given))  # a copy: validate fills in max_tokens
-            self.engine.validate(tokens, request_params)
-            rid = f"offline-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, tokens, request_params, (priorities or [0] * len(prompts))[i])
-            ids.append(rid)
-        results = {rid: RequestOutput.empty(rid) for rid in ids}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.index == 0:  # offline generate returns the first choice
-                    results[out.request_id].add(out)
-        return [results[rid] for rid in ids]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.config import default_model_path
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy
 

@@ -3,7 +3,7 @@ engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model
 
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.loader import load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import window_logprobs

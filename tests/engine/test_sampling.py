@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 

@@ -18,7 +18,8 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.server import build_app, main, parse_size
 from tests.engine.tiny_llama import make_tiny_llama

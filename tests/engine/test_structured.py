@@ -344,7 +344,7 @@ def test_smollm2_greedy_under_mask_writes_valid_json(tok):
     """The real model, greedy, its logits masked each step by a loop of our own (no sampler): valid JSON, and the
     mask mattered (at some step the model's own argmax was a token the grammar forbids)."""
     from engine.attention import AttentionMetadata
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
 
     schema = {
         "type": "object",

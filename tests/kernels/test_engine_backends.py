@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from engine.llm_engine import LLM
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_ops, triton_paged
 from tests.engine.tiny_llama import make_tiny_llama

@@ -1,0 +1,40 @@
+"""`LLM`: offline generation (`LLM(model=...).generate(prompts, params)` runs every prompt to completion)."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation: `LLM(model=...).generate(prompts, params)` runs every prompt to completion."""
+
+    def __init__(self, model: str = "", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        params: SamplingParams | list[SamplingParams],
+        priorities=None,
+    ) -> list[RequestOutput]:
+        """Returns, per prompt, a RequestOutput whose new_token_ids / new_text hold the whole completion."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for i, (prompt, given) in enumerate(zip(prompts, params_list, strict=True)):
+            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            request_params = SamplingParams(**vars(given))  # a copy: validate fills in max_tokens
+            self.engine.validate(tokens, request_params)
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, tokens, request_params, (priorities or [0] * len(prompts))[i])
+            ids.append(rid)
+        results = {rid: RequestOutput.empty(rid) for rid in ids}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.index == 0:  # offline generate returns the first choice
+                    results[out.request_id].add(out)
+        return [results[rid] for rid in ids]
