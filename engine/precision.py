@@ -95,7 +95,7 @@ def resolve(dtype: str, quantization: str, device: torch.device, shape: tuple[in
         quant = "none"
         if resolved not in (torch.float32, torch.bfloat16):
             notes.append(f"dense weights (no int8 kernel for {resolved})")
-        elif resolved == torch.float32 and cpu_ops.load() is None:
+        elif cpu_ops.load() is None:
             notes.append("dense weights (the int8 kernel could not be built here)")
         else:
             weights = _probe_weights(shape)
