@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from gateway.context import request_scope
 from gateway.errors import APIError
-from gateway.openai_schema import MESSAGE_ROLES
+from gateway.openai_schema_messages import MESSAGE_ROLES
 
 # Deepest JSON accepted, objects and arrays counted (the body itself is level 1). orjson.loads refuses past 1024
 # levels, but the body goes upstream re-encoded and orjson.dumps stops at 255: refuse clearly here, far below both.

@@ -1,14 +1,8 @@
 """Shared live state in Redis for several gateway replicas: the same methods as `InMemoryState`.
 
 Every decision is one Lua script (gateway.state_redis_lua; one round trip, atomic on the server), so N replicas
-together admit exactly what one would: limits are never multiplied by the replica count. Layout per team (a
-`{team}` hash tag keeps a team's keys in one cluster slot), and the same again under `key:<key_id>:` for an API
-key with limits of its own (same hash tag: the team and its key are checked and taken in one script):
-  rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
-  day:<key> month:<key>  hash spent / reserved / overshoot (tokens) and cost_spent / cost_reserved /
-                      cost_overshoot (micro-USD), expiring a day after the period ends
-  holds               zset reservation id -> lease expiry; res:<id> hash with what the hold took
-  slots               zset lease id -> lease expiry (concurrency)
+together admit exactly what one would: limits are never multiplied by the replica count. Where each team's and API
+key's counters live: gateway.state_redis_keys; reading the scripts' answers: gateway.state_redis_replies.
 A replica that dies without settling cannot hold budget or slots forever: expired holds are reaped (their
 tokens given back) by the next reserve, expired slot leases by the next acquire. Live leases are renewed by a
 background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
@@ -30,6 +24,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.state import StateUnavailable
+from gateway.state_redis_keys import RedisKeyLayout
 from gateway.state_redis_lua import (
     ACQUIRE,
     ACQUIRE_ARGV,
@@ -41,29 +36,11 @@ from gateway.state_redis_lua import (
     SETTLE_ARGV,
     script_args,
 )
-from policies.budget import (
-    DAY,
-    MONTH,
-    as_key_rejection,
-    day_key,
-    month_key,
-    period_bounds,
-    seconds_until_reset,
-    spend_rejection,
-)
-from policies.decisions import Rejected, budget_rejection, rate_rejection
+from gateway.state_redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
+from policies.budget import as_key_rejection
 from policies.limits import KeyLimits, TeamLimits, usd_micros
-from policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
+from policies.rate import SLOTS, WINDOW_S
 from policies.reservation import Reservation
-from policies.snapshot import (
-    WindowHeaders,
-    budget_view,
-    ratelimit_headers,
-    remaining,
-    spend_view,
-    team_snapshot,
-    tighter,
-)
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
@@ -71,11 +48,9 @@ from policies.snapshot import (
 # closed=True>"), not an OSError.
 REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
 
-_NONE = -1  # "unlimited" on the wire
-
 
 def _lim(value: int | None) -> int:
-    return _NONE if value is None else value
+    return UNLIMITED if value is None else value
 
 
 class RedisState:
@@ -100,7 +75,8 @@ class RedisState:
         clock=time.time,
     ) -> None:
         assert lease_s > 0 and (hold_s is None or hold_s > 0)
-        self.prefix, self.lease_s, self._clock = prefix, lease_s, clock
+        self._keys = RedisKeyLayout(prefix)
+        self.lease_s, self._clock = lease_s, clock
         self.hold_s = hold_s or lease_s
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -122,29 +98,12 @@ class RedisState:
         self._leases: dict[tuple[str, str | None], list[str]] = {}  # live slot leases per (team, key or None)
         self._renewer: asyncio.Task | None = None
 
-    def _key(self, team_id: str, name: str) -> str:
-        return f"{self.prefix}:{{{team_id}}}:{name}"
-
-    @staticmethod
-    def _sub(key_id: str | None) -> str:
-        """Where a subject's keys live under its team's hash tag: '' for the team, 'key:<id>:' for an API key."""
-        return "" if key_id is None else f"key:{key_id}:"
-
-    def _period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
-        d, m = day_key(now), month_key(now)
-        # kept a day past the period's end so a snapshot at 00:00:01 can still read yesterday's numbers
-        # (relative TTLs from the caller's clock, so Redis's own clock never has to agree with ours)
-        d_exp = math.ceil(period_bounds(DAY, now)[1] - now) + 86400
-        m_exp = math.ceil(period_bounds(MONTH, now)[1] - now) + 86400
-        sub = self._sub(key_id)
-        return self._key(team_id, f"{sub}day:{d}"), self._key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
-
     def _reserve_subject(self, team_id: str, key_id: str | None, limits, now: float) -> tuple[list, list]:
         """One subject's KEYS and ARGV for the RESERVE script (state_redis_lua.RESERVE_KEYS / _SUBJECT_ARGV)."""
-        sub = self._sub(key_id)
-        day_k, month_k, *_ = self._period_keys(team_id, now, key_id)
-        keys = [self._key(team_id, sub + "rpm"), self._key(team_id, sub + "tpm"), day_k, month_k]
-        keys += [self._key(team_id, sub + "holds"), self._key(team_id, sub + "meta")]
+        sub = self._keys.subject(key_id)
+        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
+        keys = [self._keys.key(team_id, sub + "rpm"), self._keys.key(team_id, sub + "tpm"), day_k, month_k]
+        keys += [self._keys.key(team_id, sub + "holds"), self._keys.key(team_id, sub + "meta")]
         args = script_args(
             RESERVE_SUBJECT_ARGV,
             rpm_limit=_lim(limits.rpm),
@@ -153,7 +112,7 @@ class RedisState:
             month_limit=_lim(limits.tokens_per_month),
             cost_day_limit=_lim(usd_micros(limits.usd_per_day)),
             cost_month_limit=_lim(usd_micros(limits.usd_per_month)),
-            res_prefix=self._key(team_id, sub + "res:"),
+            res_prefix=self._keys.key(team_id, sub + "res:"),
         )
         return keys, args
 
@@ -172,7 +131,7 @@ class RedisState:
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         now = self._clock() if now is None else now
         n = prompt_tokens + max_tokens
-        _, _, d, m, d_exp, m_exp = self._period_keys(team_id, now)
+        _, _, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now)
         res_id = uuid.uuid4().hex
         counted_key = key_id if key_limits is not None and key_limits.counted else None
         subjects = [(None, limits)] + ([(counted_key, key_limits)] if counted_key is not None else [])
@@ -204,11 +163,11 @@ class RedisState:
             undo |= {"key_id": counted_key, "cost": 0}
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
         used = [int(u) for u in used]
-        headers = _merged_headers([lim for _, lim in subjects], used, now)
+        headers = merged_headers([lim for _, lim in subjects], used, now)
         if code != 0:
             i = int(which) - 1  # the subject that said no: 0 the team, 1 the key
             rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
-            rejection = _rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
+            rejection = reserve_rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
             raise as_key_rejection(rejection) if i else rejection
         return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
 
@@ -242,22 +201,22 @@ class RedisState:
             team_id, key_id = op["team_id"], op.get("key_id")
             if op["op"] == "release_slot":
                 if key_id is None:
-                    await self._redis.zrem(self._key(team_id, "slots"), op["lease_id"])
+                    await self._redis.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
                     return 0
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.zrem(self._key(team_id, "slots"), op["lease_id"])
-                    pipe.zrem(self._key(team_id, self._sub(key_id) + "slots"), op["lease_id"])
+                    pipe.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
+                    pipe.zrem(self._keys.key(team_id, self._keys.subject(key_id) + "slots"), op["lease_id"])
                     await pipe.execute()
                 return 0
             assert op["op"] == "settle", op
             res_id, now = op["res_id"], op["now"]
             keys = []
             for sub_key in (None, key_id) if key_id is not None else (None,):
-                sub = self._sub(sub_key)
-                day_k, month_k, d, m, d_exp, m_exp = self._period_keys(team_id, now, sub_key)
+                sub = self._keys.subject(sub_key)
+                day_k, month_k, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now, sub_key)
                 # KEYS per subject: tpm_window day_hash month_hash holds_zset meta_hash res_hash (lua.SETTLE_KEYS)
-                keys += [self._key(team_id, sub + "tpm"), day_k, month_k, self._key(team_id, sub + "holds")]
-                keys += [self._key(team_id, sub + "meta"), self._key(team_id, f"{sub}res:{res_id}")]
+                keys += [self._keys.key(team_id, sub + "tpm"), day_k, month_k, self._keys.key(team_id, sub + "holds")]
+                keys += [self._keys.key(team_id, sub + "meta"), self._keys.key(team_id, f"{sub}res:{res_id}")]
             args = script_args(
                 SETTLE_ARGV,
                 now=repr(now),
@@ -281,9 +240,9 @@ class RedisState:
         """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
         renewed in the background until released."""
         lease_id = uuid.uuid4().hex
-        keys = [self._key(team_id, "slots")]
+        keys = [self._keys.key(team_id, "slots")]
         if key_id is not None:
-            keys.append(self._key(team_id, self._sub(key_id) + "slots"))
+            keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
         args = script_args(
             ACQUIRE_ARGV,
             now=repr(self._clock()),
@@ -324,9 +283,9 @@ class RedisState:
         for (team_id, key_id), leases in list(self._leases.items()):
             if leases:
                 # ARGV: expiry, ttl_ms, then every lease id (see state_redis_lua.RENEW)
-                await self._renew(keys=[self._key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
+                await self._renew(keys=[self._keys.key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
                 if key_id is not None:
-                    key_slots = self._key(team_id, self._sub(key_id) + "slots")
+                    key_slots = self._keys.key(team_id, self._keys.subject(key_id) + "slots")
                     await self._renew(keys=[key_slots], args=[expiry, ttl_ms, *leases])
 
     async def _renew_loop(self) -> None:
@@ -349,7 +308,7 @@ class RedisState:
         """Fill in spend from the store only where Redis has none: the live counters, shared by replicas that
         may hold unflushed usage, win over a store snapshot taken by whichever replica starts next."""
         now = self._clock() if now is None else now
-        day_k, month_k, _, _, d_exp, m_exp = self._period_keys(team_id, now, key_id)
+        day_k, month_k, _, _, d_exp, m_exp = self._keys.period_keys(team_id, now, key_id)
         with self._sync.pipeline() as pipe:
             pipe.hsetnx(day_k, "spent", day_tokens).expire(day_k, d_exp)
             pipe.hsetnx(month_k, "spent", month_tokens).expire(month_k, m_exp)
@@ -365,7 +324,7 @@ class RedisState:
         now = self._clock() if now is None else now
         with self._sync.pipeline(transaction=False) as pipe:
             reads = self._snapshot_reads(pipe, team_id, now, key_id).execute()
-            return self._snapshot_view(team_id, now, reads, key_id)
+            return snapshot_view(team_id, now, reads)
 
     async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
         """`snapshot` without blocking the event loop; StateUnavailable when Redis cannot answer."""
@@ -375,7 +334,7 @@ class RedisState:
                 results = await self._snapshot_reads(pipe, team_id, now, key_id).execute()
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"snapshot: {type(e).__name__}: {e}") from e
-        return self._snapshot_view(team_id, now, results, key_id)
+        return snapshot_view(team_id, now, results)
 
     async def ping(self) -> None:
         """Readiness: StateUnavailable when Redis does not answer."""
@@ -385,44 +344,12 @@ class RedisState:
             raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
 
     def _snapshot_reads(self, pipe, team_id: str, now: float, key_id: str | None = None):
-        day_k, month_k, *_ = self._period_keys(team_id, now, key_id)
-        sub = self._sub(key_id)
-        pipe.hgetall(self._key(team_id, sub + "rpm")).hgetall(self._key(team_id, sub + "tpm"))
-        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._key(team_id, sub + "meta"))
-        pipe.zcount(self._key(team_id, sub + "slots"), f"({now!r}", "+inf")
-        return pipe.zcard(self._key(team_id, sub + "holds"))
-
-    def _snapshot_view(self, team_id: str, now: float, results: list, key_id: str | None = None) -> dict:
-        _, _, d, m, _, _ = self._period_keys(team_id, now, key_id)
-        oldest = oldest_counted_slot(now, WINDOW_S / SLOTS, SLOTS)
-        rpm, tpm, day, month, meta, in_flight, holds = results
-
-        def used(window: dict) -> int:
-            return sum(int(c) for s, c in window.items() if int(s) >= oldest)
-
-        def limit(name: str) -> int | None:
-            value = int(meta.get(name, _NONE))
-            return None if value == _NONE else value
-
-        def period(h: dict, period_name: str, key: str, limit_name: str, field="", view=budget_view) -> dict:
-            spent, reserved, over = (int(h.get(field + k, 0)) for k in ("spent", "reserved", "overshoot"))
-            return view(period_name, key, limit(limit_name), spent, reserved, over, now)
-
-        rpm_used, tpm_used = used(rpm), used(tpm)
-        return team_snapshot(
-            team_id,
-            in_flight=in_flight,
-            reserved_tokens=int(meta.get("reserved", 0)),
-            open_reservations=holds,
-            requests_last_minute=rpm_used,
-            tokens_last_minute=tpm_used,
-            remaining_requests=remaining(limit("rpm"), rpm_used),
-            remaining_tokens=remaining(limit("tpm"), tpm_used),
-            day=period(day, DAY, d, "day_limit"),
-            month=period(month, MONTH, m, "month_limit"),
-            day_usd=period(day, DAY, d, "cost_day_limit", "cost_", spend_view),
-            month_usd=period(month, MONTH, m, "cost_month_limit", "cost_", spend_view),
-        )
+        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
+        sub = self._keys.subject(key_id)
+        pipe.hgetall(self._keys.key(team_id, sub + "rpm")).hgetall(self._keys.key(team_id, sub + "tpm"))
+        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._keys.key(team_id, sub + "meta"))
+        pipe.zcount(self._keys.key(team_id, sub + "slots"), f"({now!r}", "+inf")
+        return pipe.zcard(self._keys.key(team_id, sub + "holds"))
 
     async def close(self) -> None:
         if self._renewer is not None:
@@ -430,37 +357,3 @@ class RedisState:
             await asyncio.gather(self._renewer, return_exceptions=True)
         await self._redis.aclose()
         self._sync.close()
-
-
-def _window(limit: int | None, used: int, reset: float) -> WindowHeaders | None:
-    return None if limit is None else WindowHeaders(limit, remaining(limit, used), reset)
-
-
-def _merged_headers(subject_limits: list, used: list[int], now: float) -> dict[str, str]:
-    """x-ratelimit-* as InMemoryState sends them (the team's, or where its key has less left, the key's); reset is
-    when a slot taken now leaves the window."""
-    slot_s = WINDOW_S / SLOTS
-    reset = slot_leaves_window_s(slot_index(now, slot_s), now, slot_s, SLOTS)
-    requests = tokens = None
-    for i, lim in enumerate(subject_limits):
-        requests = tighter(requests, _window(lim.rpm, used[2 * i], reset))
-        tokens = tighter(tokens, _window(lim.tpm, used[2 * i + 1], reset))
-    return ratelimit_headers(requests, tokens)
-
-
-def _rejection(
-    code: int, detail: str, lim, rpm_used: int, tpm_used: int, n: int, cost: int, now: float, headers: dict
-) -> Rejected:
-    """The RESERVE script's refusal (code 1-6, see state_redis_lua.RESERVE) as InMemoryState words it."""
-    if code == 1:
-        return rate_rejection("requests", lim.rpm, max(0, lim.rpm - rpm_used), 1, float(detail), headers)
-    if code == 2:
-        wait = None if float(detail) < 0 else float(detail)
-        return rate_rejection("tokens", lim.tpm, max(0, lim.tpm - tpm_used), n, wait, headers)
-    period = DAY if code in (3, 5) else MONTH
-    reset = seconds_until_reset(period, now)
-    if code in (3, 4):
-        limit = lim.tokens_per_day if code == 3 else lim.tokens_per_month
-        return budget_rejection(period, limit, int(detail), n, reset, headers)
-    limit = usd_micros(lim.usd_per_day if code == 5 else lim.usd_per_month)
-    return spend_rejection(period, limit, int(detail), cost, reset, headers)

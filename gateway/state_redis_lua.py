@@ -2,7 +2,8 @@
 
 Each script names its KEYS and ARGV at the top (every one read once into a named local), and each has a matching
 tuple of ARGV names here (`RESERVE_ARGV`, ...) that `script_args` fills in by name, so the Python side and the Lua
-side agree on one documented order. Numbers travel as strings; -1 means "unlimited". Key layout: gateway.state_redis.
+side agree on one documented order. Numbers travel as strings; -1 means "unlimited".
+Key layout: gateway.state_redis_keys.
 """
 
 from __future__ import annotations

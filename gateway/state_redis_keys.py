@@ -1,0 +1,41 @@
+"""Where `RedisState` keeps its state in Redis: the key layout, and the names of a team's and an API key's keys.
+
+Layout per team (a `{team}` hash tag keeps a team's keys in one cluster slot), and the same again under
+`key:<key_id>:` for an API key with limits of its own (same hash tag: the team and its key are checked and taken in
+one script):
+  rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
+  day:<key> month:<key>  hash spent / reserved / overshoot (tokens) and cost_spent / cost_reserved /
+                      cost_overshoot (micro-USD), expiring a day after the period ends
+  holds               zset reservation id -> lease expiry; res:<id> hash with what the hold took
+  slots               zset lease id -> lease expiry (concurrency)
+"""
+
+from __future__ import annotations
+
+import math
+
+from policies.budget import DAY, MONTH, day_key, month_key, period_bounds
+
+
+class RedisKeyLayout:
+    """The names of one prefix's keys (`<prefix>:{<team>}:<name>`)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def key(self, team_id: str, name: str) -> str:
+        return f"{self.prefix}:{{{team_id}}}:{name}"
+
+    @staticmethod
+    def subject(key_id: str | None) -> str:
+        """Where a subject's keys live under its team's hash tag: '' for the team, 'key:<id>:' for an API key."""
+        return "" if key_id is None else f"key:{key_id}:"
+
+    def period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
+        d, m = day_key(now), month_key(now)
+        # kept a day past the period's end so a snapshot at 00:00:01 can still read yesterday's numbers
+        # (relative TTLs from the caller's clock, so Redis's own clock never has to agree with ours)
+        d_exp = math.ceil(period_bounds(DAY, now)[1] - now) + 86400
+        m_exp = math.ceil(period_bounds(MONTH, now)[1] - now) + 86400
+        sub = self.subject(key_id)
+        return self.key(team_id, f"{sub}day:{d}"), self.key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
