@@ -1,23 +1,20 @@
 """`tokenweir`: `serve` (gateway + bundled engine child processes) and `engine` (the engine server alone).
 
 `serve` starts one engine child (`--engines 1`, the default), or N supervised ones as one pool (`--engines N`,
-`engine.replicas`): see `EngineReplicas`. Arguments are parsed before anything heavy is imported (uvicorn, the app;
-torch only for `engine`)."""
+`engine.replicas`; gateway/serve_engines.py), then runs the gateway in this process, or in N worker processes on
+one port (`--workers N`, `workers`; gateway/serve_workers.py). Arguments are parsed before anything heavy is
+imported (uvicorn, the app; torch only for `engine`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig, load_config
+from gateway.config import GatewayConfig, load_config
 
 
 def version() -> str:
@@ -63,6 +60,14 @@ def main(argv: list[str] | None = None) -> None:
         f"of engine.kv_cache_memory (default: {d.engine.replicas})",
     )
     serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway worker processes on the one port, each restarted with backoff when it exits; N > 1 needs "
+        f"the shared state (state_url: redis://...) and a database file or server as the store (default: {d.workers})",
+    )
+    serve.add_argument(
         "--no-engine",
         action="store_true",
         help="do not start an engine; serve the config's pools (default: start it unless engine.enabled is false)",
@@ -85,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.engines < 1:
             parser.error("--engines: at least 1")
         config.engine.replicas = args.engines
+    if args.workers is not None:
+        if args.workers < 1:
+            parser.error("--workers: at least 1")
+        config.workers = args.workers
     if args.model is not None:
         config.engine.model_path = args.model
     if args.no_engine:
@@ -93,16 +102,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve_forever(config: GatewayConfig) -> None:
-    from gateway.app import create_app
     from gateway.logging import configure
+    from gateway.serve_engines import EngineReplicas, start_engine, stop_engine
 
     configure(config.log_level)
+    if config.workers > 1:
+        from gateway.serve_workers import require_shared_state
+
+        require_shared_state(config)  # before any engine is started for nothing
     # SIGTERM during startup (engine still loading) must still take the children down with us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if config.engine.enabled and config.engine.replicas > 1:
         replicas = EngineReplicas(config)
         try:
-            asyncio.run(replicas.serve())
+            asyncio.run(serve_with_replicas(config, replicas))
         finally:
             replicas.kill_leftovers()
         return
@@ -110,6 +123,11 @@ def serve_forever(config: GatewayConfig) -> None:
     try:
         if config.engine.enabled:
             engine = start_engine(config)
+        if config.workers > 1:
+            asyncio.run(serve_workers(config))
+            return
+        from gateway.app import create_app
+
         store, sock = open_gateway(config)
         app = create_app(config, store=store)
         try:
@@ -121,8 +139,42 @@ def serve_forever(config: GatewayConfig) -> None:
             stop_engine(engine)
 
 
-def open_gateway(config: GatewayConfig):
-    """The store (bootstrap keys printed once) and, for port 0, the socket bound here; prints the gateway line."""
+async def serve_with_replicas(config: GatewayConfig, replicas) -> None:
+    """The engine replicas run in this event loop, beside the gateway (its instances marked down on an engine's
+    exit) or beside the gateway workers."""
+    from gateway.app import create_app
+
+    try:
+        await replicas.start()
+        if config.workers > 1:
+            return await serve_workers(config)
+        store, sock = open_gateway(config)
+        try:
+            app = create_app(config, store=store)
+            replicas.attach(app)
+            await gateway_server(config, app).serve(sockets=[sock] if sock is not None else None)
+        finally:
+            store.close()
+    finally:
+        await replicas.stop()
+
+
+async def serve_workers(config: GatewayConfig) -> None:
+    """Store migrations and bootstrap keys here, once; then the workers on the socket bound here, until SIGTERM or
+    SIGINT (then they drain, flush, and exit, before the caller stops the engines)."""
+    from gateway.serve_workers import GatewayWorkers
+
+    store, sock = open_gateway(config, bind=True)
+    store.close()  # each worker opens its own
+    try:
+        await GatewayWorkers(config, sock).run()
+    finally:
+        sock.close()
+
+
+def open_gateway(config: GatewayConfig, bind: bool = False):
+    """The store (bootstrap keys printed once) and, for port 0 or `bind`, the socket bound (and, with `bind`,
+    listening) here; prints the gateway line."""
     from gateway.bootstrap import ensure_bootstrap
     from gateway.store import Store
 
@@ -137,13 +189,19 @@ def open_gateway(config: GatewayConfig):
     if demo_secret:
         print(f"tokenweir: demo team key (shown once): {demo_secret}", flush=True)
     sock = None
-    if config.port == 0:  # bind here, so the line below names the port the OS picked
+    if config.port == 0 or bind:  # bind here: the line below names the port the OS picked; workers share it
         sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((config.host, 0))
+        try:
+            sock.bind((config.host, config.port))
+        except OSError as e:
+            sys.exit(f"tokenweir: cannot listen on {config.host}:{config.port}: {e}")
+        if bind:  # connections queue from now on, while the workers start
+            sock.listen(2048)
         config.port = sock.getsockname()[1]
     base = f"http://{config.host}:{config.port}/v1"
-    print(f"tokenweir: gateway on {base}  models: {', '.join(p.model for p in config.pools)}", flush=True)
+    workers = f"  ({config.workers} workers)" if config.workers > 1 else ""
+    print(f"tokenweir: gateway on {base}  models: {', '.join(p.model for p in config.pools)}{workers}", flush=True)
     return store, sock
 
 
@@ -162,243 +220,6 @@ def gateway_server(config: GatewayConfig, app):
             timeout_graceful_shutdown=config.shutdown_grace_s,
         )
     )
-
-
-def model_path_of(ec: BundledEngineConfig) -> str:
-    from engine.config import default_model_path
-
-    try:
-        return ec.model_path or default_model_path()
-    except FileNotFoundError as e:
-        sys.exit(f"tokenweir: {e} (or pass --model, or --no-engine with pools of your own)")
-
-
-def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]:
-    """The engine child's command line; engine.num_threads and engine.kv_cache_memory shared out between the
-    replicas (with replicas > 1 the threads default to the CPUs split evenly); extra_args last, so they win."""
-    n = ec.replicas
-    cmd = [sys.executable, "-m", "engine.server", "--port", str(port), "--served-model-name", ec.model_name]
-    cmd += ["--log-level", "warning"]  # its access log would print every /load poll
-    if model_path:
-        cmd += ["--model", model_path]
-    threads = ec.num_threads or (_cpus() if n > 1 else None)
-    if threads:
-        cmd += ["--num-threads", str(max(1, threads // n))]
-    if ec.kv_cache_memory:
-        from engine.server import parse_size  # torch-free
-
-        try:
-            total = parse_size(ec.kv_cache_memory)
-        except argparse.ArgumentTypeError as e:
-            sys.exit(f"tokenweir: engine.kv_cache_memory: {e}")
-        cmd += ["--kv-cache-memory", str(total // n)]
-    return cmd + ec.extra_args
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _bundled_pool(ec: BundledEngineConfig, model_path: str, upstreams: list[UpstreamConfig], models: dict):
-    tokenizer = model_path if model_path and model_path.endswith(".gguf") else None
-    pool = PoolConfig(model=ec.model_name, upstreams=upstreams, tokenizer=tokenizer)
-    # The engine knows its context window (model and KV pool): the gateway enforces it before dispatch.
-    pool.max_context = ((models.get("data") or [{}])[0]).get("max_model_len")
-    return pool
-
-
-def start_engine(config: GatewayConfig) -> subprocess.Popen:
-    import httpx
-
-    ec = config.engine
-    model_path = model_path_of(ec)
-    proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port))
-    url = f"http://127.0.0.1:{ec.port}"
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"tokenweir: the engine exited with status {proc.returncode} while starting")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        waited = time.monotonic() - t0
-        if waited > ec.startup_timeout_s:
-            stop_engine(proc)
-            sys.exit(f"tokenweir: the engine did not become healthy in {ec.startup_timeout_s:g}s")
-        print(f"\rtokenweir: waiting for the engine on {url} ... {waited:4.0f}s", end="", flush=True)
-        time.sleep(0.5)
-    print(f"\rtokenweir: engine ready on {url} ({time.monotonic() - t0:.1f}s)          ", flush=True)
-    if config.pool(ec.model_name) is None:
-        models = httpx.get(url + "/v1/models", timeout=5.0).json()
-        config.pools.insert(0, _bundled_pool(ec, model_path, [UpstreamConfig(url)], models))
-    return proc
-
-
-def stop_engine(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class EngineReplicas:
-    """`serve --engines N` (N > 1): N engine children on consecutive free ports from engine.port, one pool
-    (`engine-0` .. `engine-{N-1}`, route `prefix` unless the pool is configured), under gateway/supervisor.py, in
-    the gateway's own event loop.
-
-    A child that exits is restarted with doubling backoff. Meanwhile its instance is down (gateway/upstream.py
-    `Instance.mark_down`: circuit open, no probes, its prefix-index entries forgotten) until a /load poll answers
-    again. Each exit is a warning log line (`engine_exited`: status, restart count, wait) and a count in
-    `tokenweir_gateway_engine_restarts_total`. Its requests in flight lose their upstream connection: dispatch
-    retries those that had sent nothing to the client on the next instance, and ends a stream already under way
-    with an `upstream_broken` error event naming the instance."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        from gateway.supervisor import Supervisor, consecutive_free_ports
-
-        self.config, ec = config, config.engine
-        self.ec = ec
-        self.model_path = model_path_of(ec)
-        base = consecutive_free_ports(ec.replicas, start=ec.port)
-        self.supervisor = Supervisor(
-            lambda index, port: engine_cmd(ec, self.model_path, port),
-            ec.replicas,
-            base,
-            backoff_s=ec.restart_backoff_s,
-            max_backoff_s=ec.restart_max_backoff_s,
-            stable_s=ec.restart_stable_s,
-            on_exit=self.on_exit,
-            on_start=self.on_start,
-        )
-        logging.getLogger("tokenweir.supervisor").setLevel(logging.ERROR)  # its exit warning: ours, in JSON
-        self.instances: dict = {}  # child index -> gateway.upstream.Instance, once the app exists
-        self.metrics = None
-
-    @staticmethod
-    def url(port: int) -> str:
-        return f"http://127.0.0.1:{port}"
-
-    def name(self, index: int) -> str:
-        return f"engine-{index}"
-
-    async def serve(self) -> None:
-        from gateway.app import create_app
-
-        try:
-            await self.start()
-            store, sock = open_gateway(self.config)
-            try:
-                app = create_app(self.config, store=store)
-                self.attach(app)
-                await gateway_server(self.config, app).serve(sockets=[sock] if sock is not None else None)
-            finally:
-                store.close()
-        finally:
-            await self.supervisor.stop(grace_s=15)
-
-    async def start(self) -> None:
-        """Start the children and wait until each answers /health; one that exits meanwhile ends `serve`."""
-        import httpx
-
-        children = self.supervisor.children
-        ports = f"{children[0].port}..{children[-1].port}"
-        print(f"tokenweir: starting {len(children)} engines on ports {ports}", flush=True)
-        await self.supervisor.start()
-        t0, pending = time.monotonic(), list(children)
-        async with httpx.AsyncClient(timeout=1.0) as client:
-            while pending:
-                for child in list(pending):
-                    if child.restarts or not child.running:
-                        sys.exit(
-                            f"tokenweir: engine {child.index} exited with status {child.last_status} while starting"
-                        )
-                    try:
-                        if (await client.get(self.url(child.port) + "/health")).status_code == 200:
-                            pending.remove(child)
-                            print(f"tokenweir: engine {child.index} ready on {self.url(child.port)}", flush=True)
-                    except httpx.HTTPError:
-                        pass
-                if time.monotonic() - t0 > self.ec.startup_timeout_s:
-                    sys.exit(f"tokenweir: the engines did not become healthy in {self.ec.startup_timeout_s:g}s")
-                if pending:
-                    await asyncio.sleep(0.5)
-            print(f"tokenweir: {len(children)} engines ready ({time.monotonic() - t0:.1f}s)", flush=True)
-            if self.config.pool(self.ec.model_name) is None:
-                models = (await client.get(self.url(children[0].port) + "/v1/models", timeout=5.0)).json()
-                upstreams = [UpstreamConfig(self.url(c.port), name=self.name(c.index)) for c in children]
-                self.config.pools.insert(0, _bundled_pool(self.ec, self.model_path, upstreams, models))
-
-    def attach(self, app) -> None:
-        """The hooks reach the app's upstreams and metrics from now on (a configured pool of the same name that
-        does not list these engines: exits are logged and counted only)."""
-        services = app.state.services
-        self.metrics = services.metrics
-        pool = services.upstreams.get(self.ec.model_name)
-        by_url = {i.cfg.base_url: i for i in pool.instances} if pool is not None else {}
-        now = time.monotonic()
-        for child in self.supervisor.children:
-            inst = self.instances[child.index] = by_url.get(self.url(child.port))
-            if inst is not None and not child.running:  # exited between its health check and now
-                inst.mark_down(now)
-
-    def _label(self, index: int) -> str:
-        inst = self.instances.get(index)
-        return inst.name if inst is not None else self.name(index)
-
-    def on_exit(self, child) -> None:
-        from gateway.logging import get_logger
-
-        name = self._label(child.index)
-        get_logger("tokenweir.supervisor").warning(
-            "engine_exited",
-            model=self.ec.model_name,
-            upstream=name,
-            port=child.port,
-            pid=getattr(child.proc, "pid", None),
-            status=child.last_status,
-            restarts=child.restarts,
-            restart_in_s=child.backoff_s,
-        )
-        if self.metrics is not None:
-            self.metrics.engine_restarts.labels(self.ec.model_name, name).inc()
-        inst = self.instances.get(child.index)
-        if inst is not None:
-            inst.mark_down(time.monotonic())
-
-    def on_start(self, child) -> None:
-        print(
-            f"tokenweir: engine {child.index} (pid {child.proc.pid}) starting on {self.url(child.port)}",
-            flush=True,
-        )
-        if child.restarts:
-            from gateway.logging import get_logger
-
-            get_logger("tokenweir.supervisor").info(
-                "engine_restarted", upstream=self._label(child.index), pid=child.proc.pid, restarts=child.restarts
-            )
-
-    def kill_leftovers(self) -> None:
-        """Backstop after the event loop is gone (a SIGTERM or an error in startup): kill a child still running
-        that `Supervisor.stop` did not reap. waitpid first, so only a pid that is still our child is signalled."""
-        for child in self.supervisor.children:
-            pid = getattr(child.proc, "pid", None)
-            if pid is None:
-                continue
-            try:
-                if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                    continue  # reaped just now: it had exited
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ChildProcessError, ProcessLookupError):
-                pass  # reaped already by the event loop
 
 
 if __name__ == "__main__":

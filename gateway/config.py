@@ -178,10 +178,14 @@ class BundledEngineConfig:
     restart_backoff_s: float = 0.5  # first wait before a restart; doubles while a replica keeps dying young
     restart_max_backoff_s: float = 30.0
     restart_stable_s: float = 30.0  # a replica that ran this long starts over from restart_backoff_s
+    # The bundled pool's route strategy (PoolConfig.route): prefix, least_loaded or round_robin; None: prefix.
+    route: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or (self.num_threads is not None and self.num_threads < 1):
             raise ValueError("engine: replicas >= 1 and num_threads >= 1")
+        if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
+            raise ValueError(f"engine.route: expected prefix, least_loaded or round_robin, got {self.route!r}")
         if not 0 < self.restart_backoff_s <= self.restart_max_backoff_s:
             raise ValueError("engine: 0 < restart_backoff_s <= restart_max_backoff_s")
 
@@ -190,6 +194,8 @@ class BundledEngineConfig:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Gateway processes on `port` (`serve --workers N`); N > 1 needs state_url (limits shared through Redis).
+    workers: int = 1
     store_url: str = "sqlite:///./data/tokenweir.db"
     state_url: str | None = None  # redis://host:6379/0: limits shared by several gateway replicas; None: in-process
     state: StateConfig = field(default_factory=StateConfig)
@@ -208,6 +214,10 @@ class GatewayConfig:
     access_log: bool = False
     # /metrics lists team ids and budgets: when set, a scrape needs `Authorization: Bearer <metrics_token>`.
     metrics_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("workers: at least 1")
 
     def pool(self, model: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.model == model), None)

@@ -1,12 +1,13 @@
-"""Engine children supervised as one pool: N processes on consecutive ports, each restarted with exponential backoff
-when it exits, until `stop`.
+"""Child processes supervised as a group (the engine children of `serve --engines N`, the gateway workers of
+`serve --workers N`): each restarted with exponential backoff when it exits, until `stop`.
 
 A restart loop shows in the log (one warning per exit, with the exit status, the restart count and the wait) and in
 `restarts` / `on_exit` (the gateway can count it in metrics, open the instance's circuit and end its in-flight
 requests there). The backoff doubles from `backoff_s` up to `max_backoff_s` while a child keeps dying young, and
 starts over once one has run `stable_s`.
 
-Not wired into `tokenweir serve` yet: the command line (`make_cmd(index, port)`) and the hooks are the caller's.
+The command line (`make_cmd(index, port)`) and the hooks are the caller's (gateway/serve_engines.py,
+gateway/serve_workers.py).
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ class Supervisor:
         stable_s: float = 30.0,
         on_exit: Callable[[Child], None] | None = None,
         on_start: Callable[[Child], None] | None = None,
+        spawn_kwargs: dict | None = None,
     ) -> None:
         assert n >= 1 and backoff_s > 0 and max_backoff_s >= backoff_s
         self.make_cmd = make_cmd
         self.children = [Child(i, base_port + i) for i in range(n)]
         self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
         self.on_exit, self.on_start = on_exit, on_start
+        self.spawn_kwargs = spawn_kwargs or {}  # for the subprocess, e.g. pass_fds: a listening socket it inherits
         self._stopping = False
 
     @property
@@ -84,7 +87,7 @@ class Supervisor:
             child.task = asyncio.create_task(self._watch(child))
 
     async def _spawn(self, child: Child) -> None:
-        child.proc = await asyncio.create_subprocess_exec(*self.make_cmd(child.index, child.port))
+        child.proc = await asyncio.create_subprocess_exec(*self.make_cmd(child.index, child.port), **self.spawn_kwargs)
         child.started_at = time.monotonic()
         if self.on_start is not None:
             self.on_start(child)

@@ -10,7 +10,7 @@ import orjson
 import pytest
 import structlog.testing
 
-from gateway import cli
+from gateway import cli, serve_engines
 from gateway.config import BreakerConfig, BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig, load_config
 from gateway.metrics import Metrics
 from gateway.supervisor import Child
@@ -30,7 +30,7 @@ def test_replicas_from_the_file_and_env_and_validated(tmp_path):
 
 def test_one_engine_keeps_todays_command_line():
     ec = BundledEngineConfig(extra_args=["--max-num-seqs", "8"])
-    cmd = cli.engine_cmd(ec, "/m.gguf", 8100)
+    cmd = serve_engines.engine_cmd(ec, "/m.gguf", 8100)
     assert cmd == [
         sys.executable,
         "-m",
@@ -50,15 +50,15 @@ def test_one_engine_keeps_todays_command_line():
 
 def test_replicas_share_threads_and_kv_memory_and_extra_args_win(monkeypatch):
     ec = BundledEngineConfig(replicas=2, num_threads=5, kv_cache_memory="1GiB", extra_args=["--num-threads", "7"])
-    cmd = cli.engine_cmd(ec, "/m.gguf", 8101)
+    cmd = serve_engines.engine_cmd(ec, "/m.gguf", 8101)
     assert cmd[cmd.index("--num-threads") + 1] == "2"  # 5 // 2
     assert cmd[cmd.index("--kv-cache-memory") + 1] == str(2**29)
     assert cmd[-2:] == ["--num-threads", "7"]  # the operator's own flag comes last: argparse keeps it
-    monkeypatch.setattr(cli, "_cpus", lambda: 2)
-    cmd = cli.engine_cmd(BundledEngineConfig(replicas=4), "", 8100)
+    monkeypatch.setattr(serve_engines, "_cpus", lambda: 2)
+    cmd = serve_engines.engine_cmd(BundledEngineConfig(replicas=4), "", 8100)
     assert cmd[cmd.index("--num-threads") + 1] == "1" and "--model" not in cmd  # never 0 threads
     with pytest.raises(SystemExit, match="kv_cache_memory"):
-        cli.engine_cmd(BundledEngineConfig(replicas=2, kv_cache_memory="lots"), "", 8100)
+        serve_engines.engine_cmd(BundledEngineConfig(replicas=2, kv_cache_memory="lots"), "", 8100)
 
 
 def test_engines_flag_sets_replicas(monkeypatch):
@@ -73,7 +73,7 @@ def test_engines_flag_sets_replicas(monkeypatch):
 def _replicas(tmp_path):
     config = GatewayConfig()
     config.engine = BundledEngineConfig(replicas=2, model_path=str(tmp_path / "m.gguf"), port=41000)
-    replicas = cli.EngineReplicas(config)
+    replicas = serve_engines.EngineReplicas(config)
     children = replicas.supervisor.children
     ups = [UpstreamConfig(replicas.url(c.port), name=replicas.name(c.index)) for c in children]
     config.pools = [PoolConfig("smollm2-135m", ups)]
