@@ -79,8 +79,11 @@ class RouteReason:
 
 
 def load(c: Candidate) -> float:
-    """Requests on the instance: ours in flight plus the engine's queue (waiting counts double: not yet served)."""
-    return c.in_flight + c.running + 2 * c.waiting
+    """Requests on the instance, waiting ones counting double (not yet served): the engine's queue as its last /load
+    saw it, or ours in flight where that is more (sent since the poll). Not their sum: the engine's queue holds ours,
+    and adding them counted each of our requests twice (three times waiting), so two requests on an engine already
+    reached `min_bound` and spilled a team off the engine holding its prefix."""
+    return max(c.in_flight, c.running + c.waiting) + c.waiting
 
 
 def _least_loaded_key(c: Candidate) -> float:

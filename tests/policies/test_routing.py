@@ -110,3 +110,19 @@ def test_bad_params_are_refused():
         RouteParams(strategy="random")
     with pytest.raises(ValueError):
         RouteParams(load_epsilon=-1)
+
+
+def test_our_requests_in_the_engines_queue_count_once():
+    """The engine's queue (its /load) holds our in-flight requests: 3 of ours running there are a load of 3, not 6, so
+    a 3:1 split of four requests stays under the bound and the team stays where its prefix is cached."""
+    idx = PrefixIndex()
+    (home, *_), _ = route(idx, prompt(1, 0))
+    other = next(n for n in NAMES[:2] if n != home)
+    cands = [
+        Candidate(home, in_flight=3, running=3, hit_blocks=8),
+        Candidate(other, in_flight=1, running=1),
+    ]
+    order, why = rank(cands, RouteParams(), block_hashes(prompt(1, 1), 16))
+    assert order[0] == home and why.reason == "prefix_hit"
+    # least loaded too: b's 2 running are the 2 we sent it; a has 3 of ours its last /load did not see yet
+    assert rank([Candidate("a", in_flight=3), Candidate("b", in_flight=2, running=2)], PARAMS)[0] == ["b", "a"]
