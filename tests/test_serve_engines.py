@@ -96,6 +96,19 @@ def _kill_leftover(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def stop_serve(served, out: Output) -> None:
+    """SIGTERM the serve process (it stops its engines on the way out), then kill any engine child it left."""
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGTERM)
+        try:
+            served.proc.wait(timeout=40)
+        except Exception:
+            served.proc.kill()
+            served.proc.wait()
+    for pid in out.all_pids():
+        _kill_leftover(pid)
+
+
 def test_serve_two_engines_routes_by_prefix_and_survives_a_killed_engine(tmp_path):
     t_start = time.monotonic()
     events_path = tmp_path / "events.jsonl"
@@ -113,15 +126,7 @@ def test_serve_two_engines_routes_by_prefix_and_survives_a_killed_engine(tmp_pat
         try:
             _exercise(served, out, events_path, t_start)
         finally:
-            if served.proc.poll() is None:
-                served.proc.send_signal(signal.SIGTERM)  # the gateway stops its engines on the way out
-                try:
-                    served.proc.wait(timeout=40)
-                except Exception:
-                    served.proc.kill()
-                    served.proc.wait()
-            for pid in out.all_pids():
-                _kill_leftover(pid)
+            stop_serve(served, out)
 
 
 def _exercise(served, out: Output, events_path: Path, t_start: float) -> None:
