@@ -168,7 +168,7 @@ class BundledEngineConfig:
     model_name: str = "smollm2-135m"
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)
-    # replicas > 1: that many engine children on consecutive free ports from `port`, one pool (route: prefix),
+    # replicas > 1: that many engine children on consecutive free ports from `port`, one pool (route: `route`),
     # each restarted with doubling backoff when it exits (`tokenweir serve --engines N`). 1: one child, as before.
     replicas: int = 1
     # Shared out between the replicas (each gets its part); None: the engine's own default per engine, except
