@@ -68,7 +68,9 @@ def start_engine(config: GatewayConfig) -> subprocess.Popen:
 
     ec = config.engine
     model_path = model_path_of(ec)
-    proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port))
+    from gateway.supervisor import die_with_parent
+
+    proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port), preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{ec.port}"
     t0 = time.monotonic()
     while True:

@@ -7,20 +7,43 @@ requests there). The backoff doubles from `backoff_s` up to `max_backoff_s` whil
 starts over once one has run `stable_s`.
 
 The command line (`make_cmd(index, port)`) and the hooks are the caller's (gateway/serve_engines.py,
-gateway/serve_workers.py).
+gateway/serve_workers.py). Children die with their parent (`die_with_parent`): a supervisor killed outright
+(SIGKILL, OOM) leaves no engine or worker behind holding its port and memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import os
+import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("tokenweir.supervisor")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here, not in the child
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send the child SIGTERM when this process dies, however it dies (the
+    child then shuts down as on any SIGTERM). None off Linux. The parent's pid is taken now: a parent that died
+    between fork and prctl would leave the child adopted already, so the child exits at once instead."""
+    if _libc is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def consecutive_free_ports(n: int, start: int = 8100, host: str = "127.0.0.1", tries: int = 200) -> int:
@@ -87,7 +110,8 @@ class Supervisor:
             child.task = asyncio.create_task(self._watch(child))
 
     async def _spawn(self, child: Child) -> None:
-        child.proc = await asyncio.create_subprocess_exec(*self.make_cmd(child.index, child.port), **self.spawn_kwargs)
+        cmd = self.make_cmd(child.index, child.port)
+        child.proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent(), **self.spawn_kwargs)
         child.started_at = time.monotonic()
         if self.on_start is not None:
             self.on_start(child)

@@ -1,8 +1,11 @@
 """The engine supervisor with trivial children: restarts with backoff, hooks, and a clean stop."""
 
 import asyncio
+import signal
 import socket
+import subprocess
 import sys
+import time
 
 from gateway.supervisor import Supervisor, consecutive_free_ports
 
@@ -49,3 +52,40 @@ def test_consecutive_free_ports_skips_a_taken_one():
         taken = s.getsockname()[1]
         port = consecutive_free_ports(2, start=taken - 1)
         assert not (port <= taken < port + 2)
+
+
+SUPERVISE_AND_REPORT = """
+import asyncio, sys
+from gateway.supervisor import Supervisor
+
+async def main():
+    sup = Supervisor(lambda i, p: [sys.executable, "-c", "import time; time.sleep(120)"], n=2, base_port=9200)
+    await sup.start()
+    print(" ".join(str(c.proc.pid) for c in sup.children), flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_children_die_with_a_supervisor_killed_outright():
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISE_AND_REPORT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a child outlived its killed supervisor"
+    finally:
+        parent.kill()
