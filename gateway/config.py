@@ -24,6 +24,7 @@ import orjson
 import yaml
 
 from policies.pricing import Prices
+from policies.routing import RouteParams
 
 ENV_PREFIX = "TOKENWEIR_"
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
@@ -78,7 +79,12 @@ class PoolConfig:
     # None: "prefix" for a pool of our engines, "least_loaded" (least in flight) for external members.
     route: str | None = None
     route_load_epsilon: float = 0.25  # bounded load: no prefix affinity above (1 + eps) x the mean load
+    route_min_bound: int = 4  # ... nor above this many requests (below it an engine's batch has room)
     route_max_waiting: int = 8  # nor for an engine whose queue is longer
+    # The prefix score's exchange rates, in prefill tokens a cache hit saves: one request of load costs
+    # route_load_cost_tokens, a full KV pool (about to evict) route_kv_cost_tokens.
+    route_load_cost_tokens: float = 32.0
+    route_kv_cost_tokens: float = 64.0
     prefix_index_entries: int = 100_000  # block hashes this replica remembers for the pool (LRU)
     # Prices in USD per 1M tokens (None: unpriced, costs 0): events carry `cost`, spend budgets count it.
     # Cached prompt tokens cost price_cached_per_1m (None: the input price).
@@ -89,17 +95,27 @@ class PoolConfig:
     embeddings: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
-            raise ValueError(
-                f"pool {self.model}: route: expected prefix, least_loaded or round_robin, got {self.route!r}"
-            )
+        try:
+            self.route_params()
+        except ValueError as e:
+            raise ValueError(f"pool {self.model}: {e}") from None
         prices = (self.price_input_per_1m, self.price_output_per_1m, self.price_cached_per_1m)
         if any(p is not None and not p >= 0 for p in prices):
             raise ValueError(f"pool {self.model}: price_input_per_1m, price_output_per_1m, price_cached_per_1m >= 0")
-        if self.route_load_epsilon < 0 or self.route_max_waiting < 0 or self.prefix_index_entries < 1:
-            raise ValueError(
-                f"pool {self.model}: route_load_epsilon >= 0, route_max_waiting >= 0, prefix_index_entries >= 1"
-            )
+        if self.prefix_index_entries < 1:
+            raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
+
+    def route_params(self, block_size: int = 16) -> RouteParams:
+        """The routing policy's parameters (validated there) for a pool whose engines cache blocks of `block_size`."""
+        return RouteParams(
+            strategy=self.strategy,
+            block_size=block_size,
+            load_cost_tokens=self.route_load_cost_tokens,
+            kv_cost_tokens=self.route_kv_cost_tokens,
+            load_epsilon=self.route_load_epsilon,
+            min_bound=self.route_min_bound,
+            max_waiting=self.route_max_waiting,
+        )
 
     @property
     def prices(self) -> Prices | None:

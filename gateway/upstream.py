@@ -177,14 +177,6 @@ class Pool:
             sizes.add(bs)
         return sizes.pop() if len(sizes) == 1 else None
 
-    def params(self, block_size: int = 16) -> routing.RouteParams:
-        return routing.RouteParams(
-            strategy=self.cfg.strategy,
-            block_size=block_size,
-            load_epsilon=self.cfg.route_load_epsilon,
-            max_waiting=self.cfg.route_max_waiting,
-        )
-
     def route(self, now: float, token_ids: list[int] | None) -> tuple[list[Instance], routing.RouteReason, list[int]]:
         """The pool's instances in the order to try them, why the first, and the prompt's block hashes (empty when
         the decision did not use them)."""
@@ -195,7 +187,7 @@ class Pool:
             hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
             hits = self.index.match(hashes)
         cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in self.instances]
-        names, why = routing.rank(cands, self.params(block_size or 16), hashes or None, self.turn)
+        names, why = routing.rank(cands, self.cfg.route_params(block_size or 16), hashes or None, self.turn)
         if strategy == "round_robin":
             self.turn += 1
         by_name = {i.name: i for i in self.instances}

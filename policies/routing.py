@@ -55,7 +55,9 @@ class RouteParams:
             raise ValueError(f"route: expected one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         costs = (self.load_epsilon, self.min_bound, self.max_waiting, self.load_cost_tokens, self.kv_cost_tokens)
         if min(costs) < 0 or self.block_size < 1:
-            raise ValueError("route: load_epsilon, max_waiting and the costs >= 0, block_size >= 1")
+            raise ValueError(
+                "route: load_epsilon, min_bound, max_waiting, load_cost_tokens and kv_cost_tokens >= 0, block_size >= 1"
+            )
 
 
 @dataclass(frozen=True)

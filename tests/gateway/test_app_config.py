@@ -78,3 +78,15 @@ def test_bad_config_names_the_key(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(ValueError, match=needle):
         load_config(path, env={})
+
+
+def test_a_pools_route_knobs_reach_its_router_and_a_bad_one_names_the_pool(tmp_path):
+    path = tmp_path / "c.yaml"
+    knobs = "route: round_robin, route_min_bound: 2, route_load_cost_tokens: 10, route_kv_cost_tokens: 5"
+    path.write_text(f"pools:\n  - {{model: m, {knobs}, upstreams: [{{base_url: 'http://a:1'}}]}}\n")
+    params = load_config(path, env={}).pool("m").route_params(block_size=32)
+    assert (params.strategy, params.block_size, params.min_bound) == ("round_robin", 32, 2)
+    assert (params.load_cost_tokens, params.kv_cost_tokens, params.load_epsilon) == (10, 5, 0.25)
+    path.write_text("pools:\n  - {model: m, route_kv_cost_tokens: -1, upstreams: [{base_url: 'http://a:1'}]}\n")
+    with pytest.raises(ValueError, match="pool m: route: .*kv_cost_tokens >= 0"):
+        load_config(path, env={})
