@@ -45,6 +45,14 @@ def _resolve_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def kv_budget_bytes(total: int, free: int, utilization: float, own_bytes: int, activation_peak: int) -> int:
+    """Bytes for this process's KV pool on a GPU: its share (`utilization` of the device's memory, per instance as
+    vLLM reads gpu_memory_utilization, so two engines on one GPU take about half each) less what it holds already
+    (`own_bytes`, the weights) and the activations' peak; never more than is free now, less that peak."""
+    share = int(utilization * total) - own_bytes - activation_peak
+    return max(min(share, free - activation_peak), 0)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
@@ -114,11 +122,13 @@ class LLMEngine:
         if device.type != "cuda":
             return self.config.kv_cache_memory // block_bytes
         # As nano-vllm: the weights are on the device already; a warm-up forward of the largest step measures the
-        # activations' peak, and the pool gets what is left of gpu_memory_utilization after both.
+        # activations' peak, and the pool gets what is left of this process's share after both.
         activation_peak = self._warmup_peak_bytes(device)
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - self.config.gpu_memory_utilization) * total - activation_peak
-        return max(int(budget // block_bytes), 0)
+        budget = kv_budget_bytes(
+            total, free, self.config.gpu_memory_utilization, torch.cuda.memory_reserved(device), activation_peak
+        )
+        return max(budget // block_bytes, 0)
 
     def _warmup_peak_bytes(self, device: torch.device) -> int:
         """Peak bytes allocated above the weights by one prefill of max_num_batched_tokens (a throwaway KV pool)."""

@@ -191,6 +191,7 @@ class BundledEngineConfig:
     # that replicas > 1 split the machine's CPUs (num_threads = max(1, cpus // replicas) each).
     num_threads: int | None = None  # torch CPU threads in all
     kv_cache_memory: str | None = None  # KV cache bytes in all (CPU), e.g. "1GiB"
+    gpu_memory_utilization: float | None = None  # on CUDA, the GPU's share in all (None: the engine's 0.85)
     restart_backoff_s: float = 0.5  # first wait before a restart; doubles while a replica keeps dying young
     restart_max_backoff_s: float = 30.0
     restart_stable_s: float = 30.0  # a replica that ran this long starts over from restart_backoff_s
@@ -204,6 +205,8 @@ class BundledEngineConfig:
             raise ValueError(f"engine.route: expected prefix, least_loaded or round_robin, got {self.route!r}")
         if not 0 < self.restart_backoff_s <= self.restart_max_backoff_s:
             raise ValueError("engine: 0 < restart_backoff_s <= restart_max_backoff_s")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("engine: 0 < gpu_memory_utilization <= 1")
 
 
 @dataclass

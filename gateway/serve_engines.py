@@ -45,6 +45,11 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
         except argparse.ArgumentTypeError as e:
             sys.exit(f"tokenweir: engine.kv_cache_memory: {e}")
         cmd += ["--kv-cache-memory", str(total // n)]
+    if n > 1 or ec.gpu_memory_utilization is not None:  # each engine reads it as its own share of the GPU
+        from engine.config import EngineConfig  # torch-free
+
+        share = ec.gpu_memory_utilization or EngineConfig.gpu_memory_utilization
+        cmd += ["--gpu-memory-utilization", f"{share / n:.4f}"]
     return cmd + ec.extra_args
 
 

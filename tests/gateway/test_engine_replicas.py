@@ -61,6 +61,31 @@ def test_replicas_share_threads_and_kv_memory_and_extra_args_win(monkeypatch):
         serve_engines.engine_cmd(BundledEngineConfig(replicas=2, kv_cache_memory="lots"), "", 8100)
 
 
+def test_replicas_split_the_gpu_share_each_engine_reads_as_its_own():
+    cmd = serve_engines.engine_cmd(BundledEngineConfig(replicas=2), "", 8100)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4250"  # the engine's 0.85 default, halved
+    cmd = serve_engines.engine_cmd(BundledEngineConfig(replicas=4, gpu_memory_utilization=0.8), "", 8100)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.2000"
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        BundledEngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_a_gpu_kv_budget_is_the_processs_own_share_so_engines_started_one_after_another_get_equal_pools():
+    """Two engines at 0.425 each on an 80 GiB GPU, 1 GiB of weights and 2 GiB of activation peak each, about
+    0.5 GiB of CUDA context each: the second sees the first's memory gone from `free` and still gets the same."""
+    from engine.llm_engine import kv_budget_bytes
+
+    gib = 2**30
+    total, weights, peak, context = 80 * gib, 1 * gib, 2 * gib, gib // 2
+    first = kv_budget_bytes(total, total - context - weights, 0.425, weights, peak)
+    assert first == int(0.425 * total) - weights - peak
+    free_for_second = total - (context + weights + first) - context - weights
+    assert kv_budget_bytes(total, free_for_second, 0.425, weights, peak) == first
+    assert context + weights + first + context + weights + first + peak <= 0.85 * total + peak
+    # never more than is free: a GPU mostly taken by another process
+    assert kv_budget_bytes(total, 10 * gib, 0.9, weights, peak) == 8 * gib
+
+
 def test_engines_flag_sets_replicas(monkeypatch):
     seen = {}
     monkeypatch.setattr(cli, "serve_forever", lambda config: seen.setdefault("config", config))
