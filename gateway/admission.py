@@ -1,10 +1,11 @@
 """Admission: the request path's steps, in order, for one request:
 
-    check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch -> settle
+    new_context -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch
 
-Every step either passes or raises an APIError whose `code` is the event's `reason`; what comes after admission
-lives in gateway/dispatch.py (hops, failover, relay) and gateway/settle.py (the one `finish` per request: slots back,
-bill, event). A client that leaves cancels the handler; whatever a cancelled state call took is given back.
+Every step either passes or raises an APIError whose `code` is the event's `reason`. The RequestContext is made by
+gateway/context.py, prompts are counted by gateway/token_count.py; what comes after admission lives in
+gateway/dispatch.py (hops, failover, relay) and gateway/settle.py (the one `finish` per request: slots back, bill,
+event). A client that leaves cancels the handler; whatever a cancelled state call took is given back (Settler.take).
 
 While the shared state is unreachable, reserving answers 503 `state_unavailable` (fail closed), or, with
 `state.on_unavailable: fail_open`, admits under this replica's own in-process limits and writes their spend to
@@ -14,14 +15,13 @@ the shared state when it returns (through the outbox).
 from __future__ import annotations
 
 import asyncio
-import time
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import relay
 from gateway.config import GatewayConfig
-from gateway.context import RequestContext, clip, request_scope
+from gateway.context import RequestContext, request_scope
 from gateway.disconnect import wait_disconnect
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
@@ -32,7 +32,7 @@ from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
 from gateway.settle import Settler
 from gateway.state import InMemoryState, StateBackend, StateUnavailable
-from gateway.token_count import TokenCounter, UnsupportedContent
+from gateway.token_count import TokenCounters, UnsupportedContent
 from gateway.upstream import Upstreams
 from policies.caps import apply_caps
 from policies.decisions import Rejected
@@ -57,23 +57,12 @@ class Admission:
         # fail_open: while the shared state is away, admit under this replica's own counters
         self.local = InMemoryState() if config.state.on_unavailable == "fail_open" else None
         self.state_ready = True  # False until start-up has seeded the shared state's budgets
-        self._counters: dict[str, TokenCounter] = {}
+        self.counters = TokenCounters(lambda: list(upstreams.pools), lambda m: upstreams.pools[m].cfg.tokenizer)
         self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
         self.settler = Settler(
-            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counter
+            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counters
         )
         self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
-
-    def warm(self) -> None:
-        """Load every pool's tokenizer now (seconds each), not on the first request."""
-        for model in self.upstreams.pools:
-            self.counter(model)
-
-    def counter(self, model: str) -> TokenCounter:
-        c = self._counters.get(model)
-        if c is None:
-            c = self._counters[model] = TokenCounter(self.upstreams.pools[model].cfg.tokenizer)
-        return c
 
     async def handle(self, request: Request, principal, body: dict, kind: str) -> Response:
         ctx = self.new_context(request, principal, body, kind)
@@ -117,40 +106,13 @@ class Admission:
             if not handed_off:
                 await relay.shielded(self.settler.finish(ctx))
 
-    def record_unadmitted(self, request: Request, err: APIError) -> None:
-        """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
-        self.settler.record_unadmitted(request, err)
-
     def new_context(self, request: Request, principal, body: dict, kind: str) -> RequestContext:
-        team = principal.team
-        if team is None:
+        if principal.team is None:
             raise APIError(
                 403, "This key belongs to no team (admin keys manage the gateway); use a team key.", "no_team"
             )
-        self.seen_teams.add(team.id)
-        limits = team.limits
-        priority = limits.priority
-        asked = body.get("priority")
-        if isinstance(asked, int) and not isinstance(asked, bool):
-            priority = max(priority, asked)  # a request may lower its own priority, never raise it above its team's
-        opts = body.get("stream_options") or {}
-        return RequestContext(
-            request_id=request_scope(request).request_id,
-            kind=kind,
-            body=body,
-            team_id=team.id,
-            key_id=principal.key.id,
-            limits=limits,
-            model=body["model"],
-            stream=bool(body.get("stream")),
-            t0=time.perf_counter(),
-            deadline_base=asyncio.get_running_loop().time(),
-            priority=priority,
-            client_usage=bool(opts.get("include_usage")),
-            client_continuous=bool(opts.get("continuous_usage_stats")),
-            key_limits=principal.key.limits,
-            user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
-        )
+        self.seen_teams.add(principal.team.id)
+        return RequestContext.admitted(request_scope(request).request_id, principal, body, kind)
 
     def check_model(self, ctx: RequestContext) -> None:
         if ctx.model not in self.upstreams.pools:
@@ -175,7 +137,7 @@ class Admission:
             )
 
     def count_prompt(self, ctx: RequestContext) -> None:
-        counter = self.counter(ctx.model)
+        counter = self.counters(ctx.model)
         if ctx.kind != "chat":  # an embeddings input has a completion prompt's shapes, and is counted the same
             ctx.prompt_tokens = counter.count_prompt(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
             return
@@ -235,7 +197,7 @@ class Admission:
                 if not self.state_ready:
                     raise StateUnavailable("the shared state is not seeded yet")
                 reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
-                ctx.reservation = await self.taking(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
+                ctx.reservation = await self.settler.take(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
             except StateUnavailable as e:
                 self.settler.defer(e)
                 if self.local is None:
@@ -263,7 +225,7 @@ class Admission:
         key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
         try:
             acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_id=key_id, key_max=key_max)
-            got = await self.taking(acquire, lambda _: state.release_slot(ctx.team_id, key_id=key_id), ctx)
+            got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, key_id=key_id), ctx)
         except StateUnavailable as e:
             self.settler.defer(e)
             raise self.state_unavailable(e) from None
@@ -286,26 +248,6 @@ class Admission:
         except Rejected as r:
             raise _api_error(r) from None
         ctx.queue_s = ctx.ticket.queue_s
-
-    async def taking(self, call, give_back, ctx: RequestContext):
-        """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
-        completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
-        behind until its expiry."""
-        task = relay.spawn(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-
-            def undo(t: asyncio.Task) -> None:
-                if t.cancelled():
-                    return
-                if isinstance(t.exception(), StateUnavailable):
-                    self.settler.defer(t.exception())
-                elif t.exception() is None and t.result():
-                    relay.spawn(self.settler.state_change(give_back(t.result()), ctx))
-
-            task.add_done_callback(undo)
-            raise
 
 
 def _api_error(r: Rejected) -> APIError:

@@ -82,7 +82,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         else:
             admission.state_ready = False
             seeding = asyncio.create_task(seed_until_ready(st, state, admission))
-        await asyncio.to_thread(admission.warm)
+        await asyncio.to_thread(admission.counters.warm)
         await usage.start()
         await outbox.start()
         upstreams.start(client)
@@ -206,7 +206,7 @@ def record_unadmitted(request: Request, err: APIError) -> None:
     if request.url.path in INFERENCE_PATHS and not request_scope(request).accounted:
         admission = get_services(request).admission
         if admission is not None:
-            admission.record_unadmitted(request, err)
+            admission.settler.record_unadmitted(request, err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):

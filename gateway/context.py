@@ -8,6 +8,7 @@ was granted, where it went, and what its event says.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import MutableMapping
@@ -111,6 +112,33 @@ class RequestContext:
     slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
     user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
     cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
+
+    @classmethod
+    def admitted(cls, request_id: str, principal: Principal, body: dict, kind: str) -> RequestContext:
+        """The context of a request admission takes: what the body asks for, within what its team's key grants."""
+        team = principal.team
+        priority = team.limits.priority
+        asked = body.get("priority")
+        if isinstance(asked, int) and not isinstance(asked, bool):
+            priority = max(priority, asked)  # a request may lower its own priority, never raise it above its team's
+        opts = body.get("stream_options") or {}
+        return cls(
+            request_id=request_id,
+            kind=kind,
+            body=body,
+            team_id=team.id,
+            key_id=principal.key.id,
+            limits=team.limits,
+            model=body["model"],
+            stream=bool(body.get("stream")),
+            t0=time.perf_counter(),
+            deadline_base=asyncio.get_running_loop().time(),
+            priority=priority,
+            client_usage=bool(opts.get("include_usage")),
+            client_continuous=bool(opts.get("continuous_usage_stats")),
+            key_limits=principal.key.limits,
+            user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
+        )
 
     @property
     def path(self) -> str:

@@ -1,5 +1,6 @@
 """The end of every request: stop the upstream if it may still run, give back every slot and the unused
-reservation, bill what was made, and write the one JSONL event (gateway/events.py) with its metrics.
+reservation, bill what was made, and write the one JSONL event (gateway/events.py) with its metrics. `take` is
+the giving back's other half: what a state call takes for a request the client then leaves is given back too.
 
 `finish` runs exactly once per request (shielded from cancellation; for streams when the stream ends). Each step
 has its own guard, so one that raises never skips the ones after it; a settle or a slot release the shared state
@@ -9,9 +10,11 @@ the usage row is counted: it is the write-ahead record that start-up replays aft
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -30,6 +33,8 @@ from policies.budget import day_key
 from policies.pricing import micros_to_usd
 
 log = get_logger()
+
+T = TypeVar("T")
 
 
 class Settler:
@@ -172,6 +177,26 @@ class Settler:
             log.warning("state_change_deferred", request_id=ctx.request_id, error=str(e))
         except Exception:  # noqa: BLE001
             log.exception("state_change_failed", request_id=ctx.request_id)
+
+    async def take(self, call: Awaitable[T], give_back: Callable[[T], Awaitable[object]], ctx: RequestContext) -> T:
+        """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
+        completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
+        behind until its expiry."""
+        task = relay.spawn(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def undo(t: asyncio.Task) -> None:
+                if t.cancelled():
+                    return
+                if isinstance(t.exception(), StateUnavailable):
+                    self.defer(t.exception())
+                elif t.exception() is None and t.result():
+                    relay.spawn(self.state_change(give_back(t.result()), ctx))
+
+            task.add_done_callback(undo)
+            raise
 
     @staticmethod
     def _guard(step, *args) -> None:

