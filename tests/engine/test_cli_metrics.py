@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.flags import build_parser, engine_config, parse_args
 from engine.llm_engine import LLMEngine
-from engine.server import build_app, build_parser, engine_config, parse_args
+from engine.server import build_app
 from tests.engine.tiny_llama import make_tiny_llama
 
 
@@ -122,7 +123,7 @@ def test_engine_logs_are_json(model_dir):
     """The engine's stdlib loggers, uvicorn's and structlog's all print one JSON object a line on stderr."""
     code = f"""
 import logging
-from engine.server import configure_logging
+from engine.log_format import configure_logging
 configure_logging("info")
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

@@ -18,10 +18,11 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.flags import parse_size
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.server import build_app, main, parse_size
+from engine.server import build_app, main
 from tests.engine.tiny_llama import make_tiny_llama
 
 PROMPT = [5, 17, 42, 99, 3, 250, 8]

@@ -1,0 +1,180 @@
+"""The engine server's flags (`tokenweir engine --help`): vLLM's names where vLLM has the flag, the parsers of their
+values (sizes, dtypes, fractions), and the EngineConfig they make. Torch-free: `--help` and `--version` answer
+without loading torch, and the gateway's `serve` reads sizes with the same parser."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from engine.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2GiB', '1.5G' (binary units; 'MB' and 'MiB' both mean 2**20 here)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
+
+
+def parse_dtype(text: str) -> str:
+    dtype = _DTYPE_ALIASES.get(text, text)
+    if dtype not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}: choose from {', '.join(DTYPES)}")
+    return dtype
+
+
+def parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r}")
+    return value
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tokenweir")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, ""): their help says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The engine's flags; vLLM's names where vLLM has the flag (older tokenweir spellings stay as aliases)."""
+    d = EngineConfig()
+    p = argparse.ArgumentParser(
+        prog="tokenweir engine",
+        description="tokenweir's OpenAI-compatible engine server",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"tokenweir engine {version()}", help="print the version")
+    p.add_argument(
+        "--model", default="", help="a .gguf file or a HF model directory (default: the bundled SmolLM2-135M)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8100, help="port to listen on")
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients put in `model` (default: the model's own name)"
+    )
+    p.add_argument(
+        "--dtype",
+        type=parse_dtype,
+        default=d.dtype,
+        help="activations and dense weights; auto = bfloat16 on CUDA and on CPUs with native bf16 (probed at "
+        "start), float32 elsewhere (vLLM's 'float' and 'half' are accepted)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=("none", "int8", "auto"),
+        default=d.quantization,
+        help="weight format; int8 = per-channel int8 weights (CPU); auto = int8 where a start-up probe shows it "
+        "faster than dense weights on this CPU",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's generator for unseeded requests")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (a power of two)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=d.kv_cache_memory,
+        help="bytes for the KV cache on CPU, e.g. 512MiB (on CUDA --gpu-memory-utilization sizes it)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=parse_fraction,
+        default=d.gpu_memory_utilization,
+        help="on CUDA: fraction of the GPU's memory the engine may fill (the KV cache takes what is left of it)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_kv_blocks",
+        type=int,
+        default=None,
+        help="explicit KV pool size in blocks (overrides the memory-based sizing)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one batch")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="most tokens computed per step"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (prompt + output) (default: the model's, capped by the KV pool)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV blocks of shared prompt prefixes",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,  # the default is --enable-prefix-caching's
+        help="same as --no-enable-prefix-caching",
+    )
+    p.add_argument(
+        "--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: all cores but one, left to the HTTP event loop)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="JSON logs on stderr at this level and above (uvicorn's access log included at info)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
