@@ -4,7 +4,8 @@ A request's `response_format` compiles once into a `Grammar` (cached, LRU); each
 with the tokens it samples, and before each sampling step the sampler asks for a packed bitmask per constrained row
 (`fill_masks`) and sets every disallowed logit to -inf (`apply_token_bitmask`; `apply_masks` does both). Stop tokens
 are allowed only where the JSON is complete, and the grammar is compact (no whitespace between tokens, "," and ":"
-separators): with free whitespace a small model happily emits newlines forever.
+separators): with free whitespace a small model happily emits newlines forever. The spec is checked, and a schema's
+objects closed to the keys they list, by engine/response_format.py before it compiles.
 
 Library: llguidance. loadtests/bench_grammar.py (SmolLM2's 49152-token vocab, shared 2-core x86 CPU, one thread,
 compact JSON walked token by token; loadtests/results/bench_grammar.md) measured per-token mask mean / p99 in
@@ -52,6 +53,7 @@ import llguidance
 import numpy as np
 import torch
 
+from engine.response_format import close_objects, parse_response_format
 from engine.tokenizer import Tokenizer
 
 # Compact JSON: no whitespace outside strings, no spaces after separators.
@@ -183,7 +185,7 @@ class StructuredOutputs:
         message for the client when the spec or its schema is invalid or unsupported. Cached both ways: a hit,
         valid or not, costs one canonical json.dumps.
         """
-        kind, schema = _parse_spec(spec)
+        kind, schema = parse_response_format(spec)
         if kind == "text":
             return None
         key = json.dumps([kind, schema], sort_keys=True, separators=(",", ":"))
@@ -205,7 +207,7 @@ class StructuredOutputs:
     def _build(self, key: str, kind: str, schema: dict) -> Grammar | str:
         """The Grammar, or the client-facing error message (cached like a grammar)."""
         # json_object is any object: OpenAI's JSON mode promises an object, not any JSON value.
-        schema = {"type": "object"} if kind == "json_object" else _close_objects(schema)
+        schema = {"type": "object"} if kind == "json_object" else close_objects(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as e:
@@ -339,75 +341,6 @@ def _forbidden_on_device(masks: torch.Tensor, vocab_size: int, device: torch.dev
     if width < vocab_size:
         forbidden = torch.cat([forbidden, forbidden.new_ones(n, vocab_size - width)], dim=1)
     return forbidden
-
-
-# -- spec handling
-
-
-def _parse_spec(spec: dict) -> tuple[str, dict | None]:
-    """(kind, schema) from a response_format dict; ValueError names the offending field."""
-    if not isinstance(spec, dict):
-        raise ValueError("response_format must be an object")
-    kind = spec.get("type")
-    if kind in ("text", "json_object"):
-        return kind, None
-    if kind != "json_schema":
-        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-    js = spec.get("json_schema")
-    if not isinstance(js, dict):
-        raise ValueError("response_format.json_schema must be an object with a 'schema'")
-    if "name" in js and not isinstance(js["name"], str):
-        raise ValueError("response_format.json_schema.name must be a string")
-    schema = js.get("schema")
-    if schema is None:
-        raise ValueError("response_format.json_schema.schema is required")
-    if not isinstance(schema, dict):
-        raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
-    return kind, schema
-
-
-def _close_objects(schema: dict) -> dict:
-    """Copy of the schema with additionalProperties: false on objects that list properties and leave it unset.
-
-    Output still validates against the original schema; it just cannot invent keys, which a small model otherwise
-    does until max_tokens (OpenAI's strict mode and xgrammar's strict_mode make the same choice). Schemas using
-    allOf are left alone: closing each branch could make their intersection unsatisfiable.
-    """
-    if "allOf" in json.dumps(schema):
-        return schema
-    return _close(schema)
-
-
-# Keywords whose values are schemas (only these are walked: enum/const/default values stay as written).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
-_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-
-
-def _close(node: object) -> object:
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    for k in _SCHEMA_MAPS:
-        if isinstance(node.get(k), dict):
-            out[k] = {name: _close(sub) for name, sub in node[k].items()}
-    for k in _SCHEMA_LISTS:
-        if isinstance(node.get(k), list):
-            out[k] = [_close(sub) for sub in node[k]]
-    for k in _SCHEMA_ONE:
-        if isinstance(node.get(k), dict):
-            out[k] = _close(node[k])
-    props = node.get("properties")
-    required = node.get("required", [])
-    if (
-        isinstance(props, dict)
-        and not any(k in node for k in _OPEN_KEYS)
-        and isinstance(required, list)
-        and set(required) <= set(props)
-    ):
-        out["additionalProperties"] = False
-    return out
 
 
 def _short(err: object) -> str:
