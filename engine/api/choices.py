@@ -95,25 +95,21 @@ class ChatRenderer:
     def choice(self, out: RequestOutput) -> ChatChoice:
         calls = self.parse_calls(out.new_text) if self.tool_mode else None
         message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=out.new_text)
-        return ChatChoice(
-            index=out.index,
-            message=message,
-            logprobs=self.logprobs(out.logprobs),
-            finish_reason=self.finish_reason(out, calls),
-            stop_reason=out.stop_reason,
-            token_ids=out.new_token_ids if self.show_token_ids else None,
-        )
+        return ChatChoice(message=message, **self._choice_fields(out, calls))
 
     def chunk_choice(self, out: RequestOutput) -> ChatChunkChoice:
         delta, calls = self._delta(out)
-        return ChatChunkChoice(
-            index=out.index,
-            delta=delta,
-            logprobs=self.logprobs(out.logprobs),
-            finish_reason=self.finish_reason(out, calls),
-            stop_reason=out.stop_reason,
-            token_ids=out.new_token_ids if self.show_token_ids else None,
-        )
+        return ChatChunkChoice(delta=delta, **self._choice_fields(out, calls))
+
+    def _choice_fields(self, out: RequestOutput, calls: list[ToolCall] | None) -> dict:
+        """What a choice says besides its text, the same whether it comes whole or as a stream chunk."""
+        return {
+            "index": out.index,
+            "logprobs": self.logprobs(out.logprobs),
+            "finish_reason": self.finish_reason(out, calls),
+            "stop_reason": out.stop_reason,
+            "token_ids": out.new_token_ids if self.show_token_ids else None,
+        }
 
     def _delta(self, out: RequestOutput) -> tuple[DeltaMessage, list[ToolCall] | None]:
         if self.tool_mode == "named":  # the arguments stream as they come, as vLLM streams a named call

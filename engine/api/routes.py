@@ -69,11 +69,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
             ],
         )
     outs = await collect(request, stream, body.n)
-    usage = Usage.model_validate(outs[-1].usage)
-    choices = [render.choice(out) for out in outs]
-    return JSONResponse(
-        dump_response(ChatCompletion(id=response_id, model=engine.model_name, choices=choices, usage=usage))
-    )
+    return whole_response(ChatCompletion, [render.choice(out) for out in outs], outs, response_id, engine.model_name)
 
 
 @router.post("/v1/completions")
@@ -97,11 +93,7 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine)
             show_token_ids=show_token_ids or body.echo,
         )
     outs = await collect(request, stream, body.n)
-    usage = Usage.model_validate(outs[-1].usage)
-    choices = [render.choice(out) for out in outs]
-    return JSONResponse(
-        dump_response(Completion(id=response_id, model=engine.model_name, choices=choices, usage=usage))
-    )
+    return whole_response(Completion, [render.choice(out) for out in outs], outs, response_id, engine.model_name)
 
 
 @router.get("/v1/models")
@@ -245,6 +237,18 @@ def start(
         if exc.param == "response_format" and getattr(body, "tool_mode", None):  # the schema came from a tool
             exc.param = "tools"
         raise
+
+
+def whole_response(
+    response_type: type[ChatCompletion | Completion],
+    choices: list,
+    outs: list[RequestOutput],
+    response_id: str,
+    model: str,
+) -> JSONResponse:
+    """A non-stream response: its rendered choices, and the usage the last output counted for the whole request."""
+    usage = Usage.model_validate(outs[-1].usage)
+    return JSONResponse(dump_response(response_type(id=response_id, model=model, choices=choices, usage=usage)))
 
 
 async def collect(request: Request, stream: RequestStream, n: int = 1) -> list[RequestOutput]:
