@@ -223,6 +223,7 @@ class InMemoryState:
             subjects = [self._team(reservation.team_id)]
             if reservation.key_id is not None:
                 subjects.append(self._key(reservation.key_id))
+            team_overshoot = 0
             for i, subject in enumerate(subjects):
                 if subject.tpm is not None:
                     if actual < reservation.tokens:
@@ -236,11 +237,8 @@ class InMemoryState:
                 subject.reserved_tokens = max(0, subject.reserved_tokens - reservation.tokens)
                 subject.open_reservations -= 1
                 if i == 0:
-                    reservation.overshoot = overshoot
-            reservation.settled = True
-            reservation.actual_tokens = actual
-            reservation.actual_cost = cost
-            return reservation
+                    team_overshoot = overshoot
+            return reservation.mark_settled(actual, cost, team_overshoot)
 
     async def acquire_slot(
         self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None

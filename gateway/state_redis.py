@@ -188,11 +188,7 @@ class RedisState:
         op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
         op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
         over = await self.replay(op)
-        reservation.settled = True
-        reservation.actual_tokens = prompt_tokens + completion_tokens
-        reservation.actual_cost = cost
-        reservation.overshoot = max(0, int(over))
-        return reservation
+        return reservation.mark_settled(prompt_tokens + completion_tokens, cost, max(0, int(over)))
 
     async def replay(self, op: dict) -> int:
         """Apply a settle or a slot release, now or again later from the outbox (both are idempotent: a settle

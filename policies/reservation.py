@@ -24,3 +24,10 @@ class Reservation:
     key_id: str | None = None  # the API key whose own counters this hold also took from (None: the team's only)
     cost: int = 0  # micro-USD held on the spend budgets (policies.pricing)
     actual_cost: int | None = None
+
+    def mark_settled(self, actual_tokens: int, actual_cost: int, overshoot: int) -> Reservation:
+        """Record what the request really used (its team's overshoot beyond the hold included): every backend's
+        settle ends here, and a settled reservation is never settled again."""
+        self.settled = True
+        self.actual_tokens, self.actual_cost, self.overshoot = actual_tokens, actual_cost, overshoot
+        return self
