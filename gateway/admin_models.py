@@ -30,20 +30,34 @@ ID_PATTERN = r"^[A-Za-z0-9._-]+$"
 ID_DOC = "1-64 letters, digits, '.', '_' or '-'."
 
 
+# The limits a team and an API key both have: one definition of each field's bounds and meaning for both models.
+Rpm = Annotated[int | None, Field(ge=1, le=MAX_COUNT, description="Requests per minute.")]
+Tpm = Annotated[
+    int | None, Field(ge=1, le=MAX_TOKEN_BUDGET, description="Tokens (prompt + max_tokens reserved) per minute.")
+]
+TokensPerDay = Annotated[int | None, Field(ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC day.")]
+TokensPerMonth = Annotated[
+    int | None, Field(ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month.")
+]
+MaxConcurrency = Annotated[int | None, Field(ge=1, le=MAX_COUNT, description="Requests in flight at once.")]
+UsdPerDay = Annotated[
+    float | None, Field(ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices.")
+]
+UsdPerMonth = Annotated[
+    float | None, Field(ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD.")
+]
+
+
 class Limits(BaseModel):
     """A team's limits. Omitted or null means unlimited (timeouts: the gateway default)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests per minute.")
-    tpm: int | None = Field(
-        None, ge=1, le=MAX_TOKEN_BUDGET, description="Tokens (prompt + max_tokens reserved) per minute."
-    )
-    tokens_per_day: int | None = Field(None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC day.")
-    tokens_per_month: int | None = Field(
-        None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month."
-    )
-    max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests in flight at once.")
+    rpm: Rpm = None
+    tpm: Tpm = None
+    tokens_per_day: TokensPerDay = None
+    tokens_per_month: TokensPerMonth = None
+    max_concurrency: MaxConcurrency = None
     max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Longest prompt accepted.")
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Cap on max_tokens.")
     allowed_models: list[ModelName] | None = Field(
@@ -56,12 +70,8 @@ class Limits(BaseModel):
     )
     ttft_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait for the first token.")
     total_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest whole request.")
-    usd_per_day: float | None = Field(
-        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices."
-    )
-    usd_per_month: float | None = Field(
-        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD."
-    )
+    usd_per_day: UsdPerDay = None
+    usd_per_month: UsdPerMonth = None
 
     def to_limits(self) -> TeamLimits:
         return TeamLimits.from_dict(self.model_dump())
@@ -78,21 +88,13 @@ class KeyLimitsBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests per minute.")
-    tpm: int | None = Field(
-        None, ge=1, le=MAX_TOKEN_BUDGET, description="Tokens (prompt + max_tokens reserved) per minute."
-    )
-    tokens_per_day: int | None = Field(None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC day.")
-    tokens_per_month: int | None = Field(
-        None, ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month."
-    )
-    usd_per_day: float | None = Field(
-        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices."
-    )
-    usd_per_month: float | None = Field(
-        None, ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD."
-    )
-    max_concurrency: int | None = Field(None, ge=1, le=MAX_COUNT, description="Requests in flight at once.")
+    rpm: Rpm = None
+    tpm: Tpm = None
+    tokens_per_day: TokensPerDay = None
+    tokens_per_month: TokensPerMonth = None
+    usd_per_day: UsdPerDay = None
+    usd_per_month: UsdPerMonth = None
+    max_concurrency: MaxConcurrency = None
     allowed_models: list[ModelName] | None = Field(
         None, max_length=1000, description="Models the key may use (within its team's); null means its team's."
     )
