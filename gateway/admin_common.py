@@ -14,47 +14,22 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from gateway.admin_models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, error_response, validation_error
 from gateway.services import Services
 from gateway.store import Conflict, NotFound, Team
 from gateway.store_db import DB_ERRORS
 
 T = TypeVar("T")
 
-# --- validation errors, OpenAI-shaped ----------------------------------------------------------------------
+# The admin API calls a value of the wrong type an invalid value, and words problems as pydantic does: as always.
+_CODES = {"invalid_type": "invalid_value"}
 
-_CODES = {
-    "missing": "missing_required_parameter",
-    "extra_forbidden": "unknown_parameter",
-    "json_invalid": "invalid_json",
-}
-
-
-# What a pattern means, for the message (the regex itself helps nobody).
+# What a pattern means, for a validation error's message (the regex itself helps nobody).
 _PATTERNS = {
     TEAM_NAME_PATTERN: "expected letters, digits, '.', '_' or '-', starting with a letter or digit",
     PLAIN_TEXT_PATTERN: "control characters are not allowed",
     ID_PATTERN: "expected an id of letters, digits, '.', '_' or '-'",
 }
-
-
-def admin_validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem, with the field as a dotted path in `param` ('limits.rpm'), as OpenAI reports it."""
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ())]
-    where = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"The request body is not valid JSON: {err.get('msg')}.", "invalid_json")
-    param = ".".join(where) or None
-    message = err.get("msg", "Invalid value")
-    if err.get("type") == "string_pattern_mismatch":
-        message = _PATTERNS.get((err.get("ctx") or {}).get("pattern"), message)
-    elif err.get("type") == "string_unicode":
-        message = "expected valid Unicode text (no lone surrogates)"
-    elif err.get("type") == "value_error":
-        message = message.removeprefix("Value error, ")
-    message = f"Invalid '{param}': {message}." if param else f"Invalid request body: {message}."
-    return APIError(400, message, _CODES.get(err.get("type"), "invalid_value"), param=param)
 
 
 class OpenAIErrorRoute(APIRoute):
@@ -67,7 +42,9 @@ class OpenAIErrorRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                return error_response(admin_validation_error(exc))
+                return error_response(
+                    validation_error(exc.errors(), codes=_CODES, patterns=_PATTERNS, pydantic_words=True)
+                )
             except APIError as err:  # also from require_admin: the router works even on an app without the handler
                 return error_response(err)
             except HTTPException as exc:  # FastAPI's own: a body it could not read (e.g. JSON nested too deep)

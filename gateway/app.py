@@ -25,11 +25,10 @@ from gateway import relay
 from gateway.admin import router as admin_router
 from gateway.admission import Admission
 from gateway.auth import Authenticator
-from gateway.body import validation_error
 from gateway.config import GatewayConfig
 from gateway.context import new_request_id, open_scope, request_scope
 from gateway.dispatch_queue import DispatchQueue
-from gateway.errors import APIError, api_error_handler, error_response
+from gateway.errors import APIError, api_error_handler, error_response, validation_error
 from gateway.events import EventWriter, replay_after
 from gateway.logging import bind_request, clear_request, ensure_configured, get_logger
 from gateway.metrics import Metrics

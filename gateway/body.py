@@ -1,5 +1,5 @@
 """Request bodies in: parse once with orjson, bound the nesting depth, validate against a schema, and word every
-refusal as OpenAI does (`validation_error`).
+refusal as OpenAI does (`validation_error`, gateway/errors.py: the wording the admin and engine APIs share).
 
 Every refusal is an OpenAI-style 400 whose `param` is the field as a dotted path ('messages.0.content.0.text'), never
 a 500. The dict that goes upstream is the client's own, untouched. The schemas themselves live in gateway.openai_schema.
@@ -8,15 +8,13 @@ a 500. The dict that goes upstream is the client's own, untouched. The schemas t
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import orjson
 from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.context import request_scope
-from gateway.errors import APIError
-from gateway.openai_schema_messages import MESSAGE_ROLES
+from gateway.errors import APIError, validation_error
 
 # Deepest JSON accepted, objects and arrays counted (the body itself is level 1). orjson.loads refuses past 1024
 # levels, but the body goes upstream re-encoded and orjson.dumps stops at 255: refuse clearly here, far below both.
@@ -160,101 +158,3 @@ def _deeper_than(value, limit: int) -> bool:
                     below.append(item)
         level, depth = below, depth + 1
     return False
-
-
-# --- errors, as OpenAI words them -----------------------------------------------------------------------------
-
-_EXPECTED = {
-    "int_type": "an integer",
-    "int_from_float": "an integer",
-    "int_parsing": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "bool_type": "a boolean",
-    "bool_parsing": "a boolean",
-    "string_type": "a string",
-    "list_type": "an array",
-    "dict_type": "an object",
-    "model_type": "an object",
-    "model_attributes_type": "an object",
-}
-_KINDS = (
-    (bool, "a boolean", "booleans"),
-    (int, "an integer", "integers"),
-    (float, "a number", "numbers"),
-    (str, "a string", "strings"),
-    (list, "an array", "arrays"),
-    (dict, "an object", "objects"),
-    (type(None), "null", "nulls"),
-)
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-
-
-def _got(value) -> str:
-    """The JSON kind of a value, as error messages name it ('a string', 'an array of objects')."""
-    for tp, one, _ in _KINDS:
-        if isinstance(value, tp):
-            if tp is list and value:
-                return "an array of " + next((many for t, _, many in _KINDS if isinstance(value[0], t)), "values")
-            return one
-    return type(value).__name__
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def validation_error(errors) -> APIError:
-    """The first pydantic error -> OpenAI's 400, `param` the field as a dotted path ('messages.0.content')."""
-    err = errors[0]
-    loc = list(err.get("loc", ()))
-    if loc and loc[0] in ("body", "query", "path", "header"):  # FastAPI's own errors say where the field was
-        loc = loc[1:]
-    kind, value = err.get("type"), err.get("input")
-    path = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("~"))]  # union tags are not fields
-    if path and path[-1] == "[key]":  # a dict's key failed (logit_bias): name the key, say what keys must be
-        path = path[:-1]
-        if kind == "string_pattern_mismatch":
-            kind, err = "key_invalid", {**err, "msg": "keys must be token ids written as strings ('50256')"}
-    if kind == "invalid_message":  # a message whose role picks no message type: name `role`, or the message
-        kind, value, path = _message_error(value, path)
-    param = ".".join(path) or None
-    msg = err.get("msg", "invalid value")
-    if kind == "json_invalid":
-        return APIError(400, "We could not parse the JSON body of your request.", "invalid_json")
-    if kind == "missing":
-        message = f"Missing required parameter: '{param}'." if param else "The request body is required."
-        return APIError(400, message, "missing_required_parameter", param=param)
-    where = f"'{param}'" if param else "the request body"
-    if kind == "invalid_type" or kind in _EXPECTED:
-        expected = msg if kind == "invalid_type" else f"expected {_EXPECTED[kind]}"
-        message = f"Invalid type for {where}: {expected}, but got {_got(value)} instead."
-        return APIError(400, message, "invalid_type", param=param)
-    ctx = err.get("ctx") or {}
-    if kind in _BOUNDS:
-        bound = next(iter(ctx.values()), None)
-        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-        message = f"expected a value {_BOUNDS[kind]} {bound}, but got {_shown(value)} instead"
-    elif kind == "literal_error":
-        message = f"expected one of {ctx.get('expected')}, but got {_shown(value)} instead"
-    elif kind in ("too_short", "string_too_short") and not value:
-        message = (
-            "expected a non-empty " + ("string" if kind == "string_too_short" else "array") + ", but got an empty one"
-        )
-    elif kind == "string_pattern_mismatch":
-        message = f"expected a string matching {ctx.get('pattern')}, but got {_shown(value)} instead"
-    elif kind == "role_invalid":
-        message = f"expected one of {', '.join(repr(r) for r in MESSAGE_ROLES)}, but got {_shown(value)} instead"
-    else:
-        message = msg[0].lower() + msg[1:] if msg else "invalid value"
-    return APIError(400, f"Invalid value for {where}: {message}.", "invalid_value", param=param)
-
-
-def _message_error(message, path: list[str]) -> tuple[str, Any, list[str]]:
-    if not isinstance(message, dict):
-        return "dict_type", message, path
-    if "role" not in message:
-        return "missing", None, [*path, "role"]
-    role = message["role"]
-    return ("string_type" if not isinstance(role, str) else "role_invalid"), role, [*path, "role"]

@@ -177,5 +177,10 @@ ChatMessage = Annotated[
         Annotated[FunctionMessage, Tag("~function")],
     ],
     # validation_error names what is wrong: the message itself, or its `role` (missing, not a string, unknown)
-    Discriminator(_role_tag, custom_error_type="invalid_message", custom_error_message="invalid message"),
+    Discriminator(
+        _role_tag,
+        custom_error_type="invalid_message",
+        custom_error_message="invalid message",
+        custom_error_context={"expected": ", ".join(repr(role) for role in MESSAGE_ROLES)},  # the roles it may name
+    ),
 ]
