@@ -40,24 +40,15 @@ local function give_back(key, field, n)  -- decrement, never below zero
 end
 """
 
+# ARGV[4..10] of both the reserve and the settle script: the rate window's slots, the budget periods, the hold's id.
+WINDOW_ARGV = ("slot_s", "slots", "day_period", "month_period", "day_expire_s", "month_expire_s", "res_id")
+
 # Take a hold on every subject (the team; then the API key, when it has limits of its own): rate windows, then
 # token and spend budgets, all checked before anything is taken; reaps expired holds first. Returns
 # {code, detail, subject, rpm_used, tpm_used, ...one pair per subject}: code 0 taken, 1 rpm (detail: wait s),
 # 2 tpm (wait s, -1 never), 3 day / 4 month token budget, 5 day / 6 month spend budget (detail: what is left);
 # subject: which one said no (1 team, 2 key).
-RESERVE_ARGV = (
-    "now",
-    "tokens",
-    "cost",
-    "slot_s",
-    "slots",
-    "day_period",
-    "month_period",
-    "day_expire_s",
-    "month_expire_s",
-    "res_id",
-    "hold_s",
-)
+RESERVE_ARGV = ("now", "tokens", "cost", *WINDOW_ARGV, "hold_s")
 # Then, per subject, in this order (`subject_args`); KEYS per subject: RESERVE_KEYS.
 RESERVE_SUBJECT_ARGV = ("rpm_limit", "tpm_limit", "day_limit", "month_limit", "cost_day_limit", "cost_month_limit",
                         "res_prefix")  # fmt: skip
@@ -163,18 +154,7 @@ return {0, '0', 0, unpack(used)}
 
 # Settle a hold on every subject it took from: bill the actual tokens and cost, give the held ones back, leave a
 # tombstone (per subject). Returns the team's overshoot (tokens beyond the hold), or -1 when already settled.
-SETTLE_ARGV = (
-    "now",
-    "actual",
-    "actual_cost",
-    "slot_s",
-    "slots",
-    "day_period",
-    "month_period",
-    "day_expire_s",
-    "month_expire_s",
-    "res_id",
-)
+SETTLE_ARGV = ("now", "actual", "actual_cost", *WINDOW_ARGV)
 SETTLE_KEYS = ("tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash", "res_hash")
 SETTLE = (
     WINDOW_FUNCTIONS
