@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=parse_fraction,
         default=d.gpu_memory_utilization,
-        help="on CUDA: fraction of the GPU's memory the engine may fill (the KV cache takes what is left of it)",
+        help="on CUDA: fraction of the GPU's memory this engine may fill, weights and activations included (the KV "
+        "cache takes what is left of it); two engines on one GPU take about half each",
     )
     p.add_argument(
         "--num-kv-blocks",
