@@ -168,24 +168,26 @@ def _tag(index: int):
 
 
 async def _serve(server, sock: socket.socket, index: int, config_path: str) -> None:
-    watch = asyncio.create_task(_watch(server, index, config_path))
+    parent = os.getppid()
+    watch = asyncio.create_task(_watch(server, index, parent))
     try:
         await server.serve(sockets=[sock])
     finally:
         watch.cancel()
+        if os.getppid() != parent:  # orphaned: the parent can no longer remove the config file it wrote for us
+            Path(config_path).unlink(missing_ok=True)
 
 
-async def _watch(server, index: int, config_path: str) -> None:
-    """Say when serving; then, if the parent dies without stopping us (SIGKILL), drain and exit rather than
-    linger on the inherited port, and remove the config file the parent can no longer remove."""
-    parent = os.getppid()
+async def _watch(server, index: int, parent: int) -> None:
+    """Say when serving; then, if the parent dies without stopping us, drain and exit rather than linger on the
+    inherited port. (The kernel's SIGTERM on the parent's death, gateway/supervisor.py `die_with_parent`, usually
+    comes first; this covers a platform without it.)"""
     while not server.started:
         await asyncio.sleep(0.05)
     print(f"tokenweir: gateway worker {index} (pid {os.getpid()}) ready", flush=True)
     while os.getppid() == parent:
         await asyncio.sleep(0.5)
     server.should_exit = True
-    Path(config_path).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
