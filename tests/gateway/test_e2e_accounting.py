@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -163,7 +164,9 @@ async def test_no_leaks_after_a_storm_of_cancels_and_timeouts(stack):
         assert "timed out" in str(exc.value.message)
 
     async def client_gives_up():
-        short = client.with_options(timeout=0.2)
+        # 0.2 s without a byte of the answer: the request reached the gateway however slow the machine (a total
+        # timeout could expire while connecting, and the gateway would rightly have no event for it)
+        short = client.with_options(timeout=httpx.Timeout(30.0, read=0.2))
         with pytest.raises(openai.APITimeoutError):
             await short.completions.create(
                 model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"fake": {"ttft_ms": 1500}}
@@ -178,7 +181,11 @@ async def test_no_leaks_after_a_storm_of_cancels_and_timeouts(stack):
     assert reasons.count("timeout") == 24 and reasons.count("client_disconnected") == 16, reasons
     mid = [e for e in events if e["reason"] == "timeout" and e["stream"] and e["completion_tokens"] > 0]
     assert len(mid) == 8 and all(e["http_status"] == 504 for e in mid)
-    assert all(e["upstream_request_id"] in stack["fake"].aborts for e in events), "every cut request must be aborted"
+    fake = stack["fake"]
+    reached = [e for e in events if e["upstream_request_id"] in fake.records]  # a slow machine may cut some sooner
+    assert len(reached) >= 24 and all(e["upstream_request_id"] in fake.aborts for e in reached), (
+        "every cut request the upstream saw must be aborted"
+    )
     assert_exact(stack, events, stored)
     assert_no_leaks(stack, team.id)
     deadline = time.monotonic() + 5
