@@ -149,18 +149,8 @@ async def abort(client: HTTP1Pool, hop: Hop, request_id: str) -> dict | None:
     headers = {"content-type": "application/json"}
     if hop.instance.cfg.api_key:
         headers["authorization"] = f"Bearer {hop.instance.cfg.api_key}"
-    try:
-        async with asyncio.timeout(5.0):
-            r = await client.request(
-                "POST", hop.instance.cfg.base_url + "/abort", orjson.dumps({"request_id": request_id}), headers
-            )
-            try:
-                raw = await r.read()
-            finally:
-                await r.aclose()
-        return orjson.loads(raw) if r.status_code == 200 else None
-    except (HTTPError, TimeoutError, orjson.JSONDecodeError):
-        return None
+    body = orjson.dumps({"request_id": request_id})
+    return await client.request_json("POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
 
 
 class ChunkFilter:

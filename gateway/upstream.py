@@ -13,10 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import orjson
-
 from gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.http1 import HTTP1Pool, HTTPError
+from gateway.http1 import HTTP1Pool
 from gateway.logging import get_logger
 from gateway.prefix_index import PrefixIndex
 from policies import prefix_hash, routing
@@ -279,7 +277,7 @@ class Upstreams:
         if inst.evicted_seq is not None and inst.evicted_epoch is not None:
             query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
         # None (unknown load) falls back to in-flight; failures count only on real requests
-        inst.load = await _get_json(client, f"{inst.cfg.base_url}/load{query}")
+        inst.load = await client.request_json("GET", f"{inst.cfg.base_url}/load{query}")
         if isinstance(inst.load, dict):
             if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
                 inst.mark_up()
@@ -289,23 +287,9 @@ class Upstreams:
                 inst.max_model_len = await _model_len(client, inst)
 
 
-async def _get_json(client: HTTP1Pool, url: str, timeout_s: float = 2.0):
-    """The JSON body of a 200 answer to GET `url`; None for any other answer, a failure or a timeout."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            r = await client.request("GET", url)
-            try:
-                raw = await r.read()
-            finally:
-                await r.aclose()
-        return orjson.loads(raw) if r.status_code == 200 else None
-    except (HTTPError, TimeoutError, orjson.JSONDecodeError):
-        return None
-
-
 async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
     """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
-    models = await _get_json(client, f"{inst.cfg.base_url}/v1/models")
+    models = await client.request_json("GET", f"{inst.cfg.base_url}/v1/models")
     data = models.get("data") if isinstance(models, dict) else None
     value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
