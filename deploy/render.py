@@ -3,7 +3,7 @@
     python -m deploy.render            # rewrite deploy/gateway.yaml, deploy/nginx.conf, deploy/prometheus.yml
     python -m deploy.render --check    # exit 1 when the committed files differ from what this renders
 
-deploy/lab.py calls the same functions with 127.0.0.1 ports and a temp dir; deploy/alerts.yml and the Grafana
+deploy/lab_topology.py calls the same functions with 127.0.0.1 ports and a temp dir; deploy/alerts.yml and the Grafana
 files are static and used as they are by both.
 """
 

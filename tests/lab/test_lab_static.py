@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import lab, render
+from deploy import lab_probe, lab_procs, lab_topology, render
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -28,7 +28,7 @@ def help_flags(*module_args: str) -> frozenset[str]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**lab.clean_env(), "PYTHONPATH": str(ROOT)},
+        env={**lab_procs.clean_env(), "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr
     return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
@@ -131,17 +131,17 @@ def test_dockerfile_cmds_and_rules():
 
 
 def test_lab_commands_use_existing_cli_flags(tmp_path):
-    check_tokenweir_cmd(lab.engine_cmd(8100), "deploy/lab.py engine")
-    check_tokenweir_cmd(lab.gateway_cmd(tmp_path / "g.yaml", 8000), "deploy/lab.py gateway")
+    check_tokenweir_cmd(lab_topology.engine_cmd(8100), "deploy/lab_topology.py engine")
+    check_tokenweir_cmd(lab_topology.gateway_cmd(tmp_path / "g.yaml", 8000), "deploy/lab_topology.py gateway")
     # scripts/lab.sh hands its arguments to deploy.lab: the flags it documents must be deploy.lab's
     sh = (ROOT / "scripts" / "lab.sh").read_text()
     assert "-m deploy.lab" in sh
     documented = set(re.findall(r"(--[a-z][a-z0-9-]*)", "\n".join(ln for ln in sh.splitlines() if ln.startswith("#"))))
     assert documented and documented <= help_flags("deploy.lab")
-    locust = lab.locust_binary()
+    locust = lab_procs.locust_binary()
     if locust:
         out = subprocess.run([locust, "--help"], capture_output=True, text=True, timeout=60).stdout
-        unknown = {f for f in flags_of(lab.locust_cmd(locust, "http://x", 5, 2, tmp_path / "c")) if f not in out}
+        unknown = {f for f in flags_of(lab_probe.locust_cmd(locust, "http://x", 5, 2, tmp_path / "c")) if f not in out}
         assert not unknown, unknown
 
 
@@ -170,7 +170,7 @@ def test_rendered_files_are_current_and_valid(tmp_path):
         conf = tmp_path / "ngx" / "nginx.conf"
         conf.write_text(
             render.nginx_conf(
-                ["127.0.0.1:1", "127.0.0.1:2"], f"127.0.0.1:{lab.free_port()}", prefix=str(tmp_path / "ngx")
+                ["127.0.0.1:1", "127.0.0.1:2"], f"127.0.0.1:{lab_procs.free_port()}", prefix=str(tmp_path / "ngx")
             )
         )
         out = subprocess.run(
@@ -183,7 +183,7 @@ def test_rendered_files_are_current_and_valid(tmp_path):
 
 
 def test_dashboard_and_grafana_provisioning():
-    exprs = lab.dashboard_exprs()
+    exprs = lab_probe.dashboard_exprs()
     assert len(exprs) >= 19
     titles = " ".join(t for t, _ in exprs).lower()
     for word in (

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy import lab as lab_mod
+from deploy import lab_probe, lab_procs, lab_topology
 from tests.conftest import require_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,23 +18,23 @@ pytestmark = pytest.mark.slow
 
 
 def _services_or_skip() -> None:
-    missing = lab_mod.missing_binaries()
+    missing = lab_procs.missing_binaries()
     if missing:
-        require_service(", ".join(missing), f"install with `{lab_mod.APT_HINT}`")
-    if lab_mod.locust_binary() is None:
+        require_service(", ".join(missing), f"install with `{lab_procs.APT_HINT}`")
+    if lab_procs.locust_binary() is None:
         require_service("locust", ".venv/bin/pip install locust")
     try:
         import psycopg
 
-        psycopg.connect(lab_mod.PG_ADMIN_URL, connect_timeout=3).close()
+        psycopg.connect(lab_procs.PG_ADMIN_URL, connect_timeout=3).close()
     except Exception as exc:  # noqa: BLE001
-        require_service("PostgreSQL", f"{lab_mod.PG_ADMIN_URL}: {exc}")
+        require_service("PostgreSQL", f"{lab_procs.PG_ADMIN_URL}: {exc}")
     try:
         import redis
 
-        redis.Redis.from_url(lab_mod.REDIS_URL, socket_timeout=2).ping()
+        redis.Redis.from_url(lab_procs.REDIS_URL, socket_timeout=2).ping()
     except Exception as exc:  # noqa: BLE001
-        require_service("Redis", f"{lab_mod.REDIS_URL}: {exc}")
+        require_service("Redis", f"{lab_procs.REDIS_URL}: {exc}")
 
 
 def metrics_in_source(name: str) -> bool:
@@ -48,9 +48,9 @@ def metrics_in_source(name: str) -> bool:
 @pytest.fixture(scope="module")
 def running_lab():
     _services_or_skip()
-    lab = lab_mod.start(down_upstream=True, timeout_s=120)
+    lab = lab_topology.start(down_upstream=True, timeout_s=120)
     try:
-        result = lab_mod.run_locust(lab, seconds=20, users=6)
+        result = lab_probe.run_locust(lab, seconds=20, users=6)
         time.sleep(5)  # two more scrapes after the last request
         yield lab, result
     finally:
@@ -67,7 +67,7 @@ def test_locust_ran_through_nginx(running_lab):
 
 def test_both_replicas_served_traffic(running_lab):
     lab, _ = running_lab
-    traffic = lab_mod.replica_traffic(lab)
+    traffic = lab_probe.replica_traffic(lab)
     assert all(n > 0 for n in traffic.values()), traffic
     for url in lab.gateway_urls():  # and their own counters agree
         text = httpx.get(url + "/metrics", timeout=5).text
@@ -80,16 +80,16 @@ def test_both_replicas_served_traffic(running_lab):
 
 def test_prometheus_scrapes_every_target(running_lab):
     lab, _ = running_lab
-    assert lab_mod.targets_down(lab) == []
-    up = lab_mod.prom_query(lab, "up")
+    assert lab_probe.targets_down(lab) == []
+    up = lab_probe.prom_query(lab, "up")
     assert len(up) == 4 and all(r["value"][1] == "1" for r in up), up
 
 
 def test_every_dashboard_query_returns_data(running_lab):
     lab, _ = running_lab
     empty, not_in_tree = [], []
-    for title, expr in lab_mod.dashboard_exprs():
-        if lab_mod.prom_query(lab, expr):
+    for title, expr in lab_probe.dashboard_exprs():
+        if lab_probe.prom_query(lab, expr):
             continue
         names = re.findall(r"(tokenweir(?:_gateway_|:)[a-z_]+?)(?:_bucket|_total)?\b", expr)
         missing = sorted({n for n in names if not metrics_in_source(n)})
