@@ -193,7 +193,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, validate_default=True
+    )
     parallel_tool_calls: bool | None = None
     # Fields that would change the answer and that this engine cannot honour: a 400 naming the field, not silence.
     audio: dict | None = None
@@ -218,25 +220,32 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"unsupported field '{info.field_name}': {_UNSUPPORTED[info.field_name]}")
         return value
 
-    @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: set logprobs to true")
-        choice = self.tool_choice
-        if not self.tools:
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        """Checked as a field (after `tools` and `response_format`, declared above it) so a refusal names it."""
+        tools, response_format = info.data.get("tools"), info.data.get("response_format")
+        if not tools:
             if choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools: send the functions the model may call")
-            return self
+            return choice
         if choice is None or choice == "auto":  # absent means "auto" when tools are sent
             raise ValueError(
                 "tool_choice 'auto' needs a tool-call parser, and this model has none: name a function "
                 "(tool_choice={'type': 'function', 'function': {'name': ...}}), send 'required', or send 'none'"
             )
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if self.response_format is not None and self.response_format.type != "text" and choice != "none":
+        if response_format is not None and response_format.type != "text" and choice != "none":
             raise ValueError("send either a tool_choice or a response_format, not both")
-        return self
+        return choice
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; the newer field wins.

@@ -51,15 +51,16 @@ def test_response_format_and_none_choice():
 
 
 @pytest.mark.parametrize(
-    "fields",
+    "fields, named",
     [
-        {"tools": TOOLS},  # "auto"
-        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
-        {"tool_choice": "required"},  # no tools
-        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        {"top_logprobs": 3},
+        ({"tools": TOOLS}, "tool_choice"),  # "auto"
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"top_logprobs": 3}, "top_logprobs"),
     ],
 )
-def test_contradictions_are_refused(fields):
-    with pytest.raises(ValidationError):
+def test_contradictions_are_refused_naming_the_field(fields, named):
+    with pytest.raises(ValidationError) as info:
         request(**fields)
+    assert info.value.errors()[0]["loc"] == (named,)

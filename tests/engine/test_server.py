@@ -509,21 +509,25 @@ async def test_chat_bad_requests(served):
         ({"messages": []}, "invalid_request", "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "invalid_request", "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_request", None),
-        ({"messages": good, "top_logprobs": 2}, "invalid_request", None),  # needs logprobs: true
+        ({"messages": good, "top_logprobs": 2}, "invalid_request", "top_logprobs"),  # needs logprobs: true
         ({"messages": good, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
         ({"messages": good, "n": 0}, "invalid_request", "n"),
         ({"messages": good, "response_format": {"type": "xml"}}, "invalid_request", "response_format.type"),
         ({"messages": good, "response_format": {"type": "json_schema"}}, "invalid_request", "response_format"),
-        ({"messages": good, "tools": [{"type": "function", "function": {"name": "f"}}]}, "invalid_request", None),
+        (
+            {"messages": good, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "invalid_request",
+            "tool_choice",
+        ),
         (
             {"messages": good, "tools": [{"function": {"name": "f"}}], "tool_choice": "auto"},
             "invalid_request",
-            None,
+            "tool_choice",
         ),
         (
             {"messages": good, "tools": [{"function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
             "invalid_request",
-            None,
+            "tool_choice",
         ),
         ({"messages": good, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens"),
         ({"messages": good, "modalities": ["text", "audio"]}, "invalid_request", "modalities"),
