@@ -179,22 +179,6 @@ class HTTP1Pool:
         self._next_sweep = 0.0
         self._closed = False
 
-    async def request_json(
-        self, method: str, url: str, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s: float = 2.0
-    ):
-        """The decoded JSON of a 200 answer, read to the end within `timeout_s`; None for any other answer, a
-        failure or a timeout (for control calls whose answer is advisory: /load, /v1/models, /abort)."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                r = await self.request(method, url, body, headers)
-                try:
-                    raw = await r.read()
-                finally:
-                    await r.aclose()
-            return orjson.loads(raw) if r.status_code == 200 else None
-        except (HTTPError, TimeoutError, orjson.JSONDecodeError):
-            return None
-
     async def request(
         self, method: str, url: str, body: bytes = b"", headers: dict[str, str] | None = None
     ) -> Response:
@@ -349,6 +333,23 @@ class HTTP1Pool:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+async def request_json(
+    client: HTTP1Pool, method: str, url: str, body: bytes = b"", headers: dict[str, str] | None = None, timeout_s=2.0
+):
+    """The decoded JSON of a 200 answer, read to the end within `timeout_s`; None for any other answer, a failure
+    or a timeout (for control calls whose answer is advisory: /load, /v1/models, /abort)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            r = await client.request(method, url, body, headers)
+            try:
+                raw = await r.read()
+            finally:
+                await r.aclose()
+        return orjson.loads(raw) if r.status_code == 200 else None
+    except (HTTPError, TimeoutError, orjson.JSONDecodeError):
+        return None
 
 
 async def _tunnel(route: _Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ctx) -> None:

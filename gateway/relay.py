@@ -15,7 +15,7 @@ import orjson
 from starlette.responses import Response
 
 from gateway.disconnect import wait_disconnect
-from gateway.http1 import HTTP1Pool, HTTPError
+from gateway.http1 import HTTP1Pool, HTTPError, request_json
 from gateway.http1 import Response as UpstreamResponse
 from gateway.upstream import Hop
 
@@ -150,7 +150,7 @@ async def abort(client: HTTP1Pool, hop: Hop, request_id: str) -> dict | None:
     if hop.instance.cfg.api_key:
         headers["authorization"] = f"Bearer {hop.instance.cfg.api_key}"
     body = orjson.dumps({"request_id": request_id})
-    return await client.request_json("POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
+    return await request_json(client, "POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
 
 
 class ChunkFilter:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.http1 import HTTP1Pool
+from gateway.http1 import HTTP1Pool, request_json
 from gateway.logging import get_logger
 from gateway.prefix_index import PrefixIndex
 from policies import prefix_hash, routing
@@ -277,7 +277,7 @@ class Upstreams:
         if inst.evicted_seq is not None and inst.evicted_epoch is not None:
             query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
         # None (unknown load) falls back to in-flight; failures count only on real requests
-        inst.load = await client.request_json("GET", f"{inst.cfg.base_url}/load{query}")
+        inst.load = await request_json(client, "GET", f"{inst.cfg.base_url}/load{query}")
         if isinstance(inst.load, dict):
             if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
                 inst.mark_up()
@@ -289,7 +289,7 @@ class Upstreams:
 
 async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
     """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
-    models = await client.request_json("GET", f"{inst.cfg.base_url}/v1/models")
+    models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models")
     data = models.get("data") if isinstance(models, dict) else None
     value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

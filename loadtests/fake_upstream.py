@@ -25,7 +25,6 @@ import collections
 import hashlib
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -295,43 +294,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class ServerThread:
-    """Run any ASGI app under uvicorn in a daemon thread on a free port (tests and benchmarks)."""
-
-    def __init__(self, app, port: int | None = None, **uvicorn_kwargs) -> None:
-        self.port = port or free_port()
-        kwargs = {"log_level": "warning", "lifespan": "on", **uvicorn_kwargs}
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **kwargs))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive(), "server thread died during startup"
-            assert time.monotonic() < deadline, "server did not start in 20 s"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def serve_app(config, **create_app_kwargs) -> ServerThread:
-    """The gateway for `config` under uvicorn in a thread: `with serve_app(cfg, store=s) as srv: srv.url`."""
-    from gateway.app import create_app
-
-    app = create_app(config, **create_app_kwargs)
-    server = ServerThread(app, port=config.port or None)
-    server.app = app
-    return server
 
 
 def main() -> None:

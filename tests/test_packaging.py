@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests.fake_upstream import FakeUpstream, ServerThread
+from loadtests.fake_upstream import FakeUpstream
+from tests.serve_thread import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

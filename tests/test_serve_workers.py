@@ -24,9 +24,10 @@ import orjson
 import pytest
 
 from gateway.store import Store
-from loadtests.fake_upstream import FakeUpstream, ServerThread, free_port
+from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.conftest import require_service
 from tests.serve_process import ROOT, serve_process
+from tests.serve_thread import ServerThread
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 READY = re.compile(r"gateway worker (\d+) \(pid (\d+)\) ready")

@@ -273,8 +273,9 @@ class Stack:
 
     def open(self) -> None:
         from gateway.store import Store
-        from loadtests.fake_upstream import FakeUpstream, ServerThread
+        from loadtests.fake_upstream import FakeUpstream
         from tests.faults.tcp_proxy import TCPProxy
+        from tests.serve_thread import ServerThread
 
         self.fake = FakeUpstream(model=MODEL)
         self.upstream = ServerThread(self.fake).__enter__()

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from gateway.http1 import HTTP1Pool, HTTPError
-from loadtests.fake_upstream import FakeUpstream, ServerThread, free_port
+from loadtests.fake_upstream import FakeUpstream, free_port
+from tests.serve_thread import ServerThread
 
 
 @pytest.fixture(scope="module")

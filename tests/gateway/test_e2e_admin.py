@@ -12,7 +12,8 @@ import pytest
 from gateway.bootstrap import ensure_bootstrap
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.store import Store
-from loadtests.fake_upstream import FakeUpstream, ServerThread, serve_app
+from loadtests.fake_upstream import FakeUpstream
+from tests.serve_thread import ServerThread, serve_app
 
 HELLO = [{"role": "user", "content": "hello"}]
 

@@ -12,8 +12,9 @@ import pytest
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.events import read_events
 from gateway.store import Store
-from loadtests.fake_upstream import FakeUpstream, ServerThread, serve_app
+from loadtests.fake_upstream import FakeUpstream
 from policies.limits import TeamLimits
+from tests.serve_thread import ServerThread, serve_app
 
 MODEL = "fake-model"
 

@@ -12,8 +12,9 @@ import pytest
 from gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.events import read_events
 from gateway.store import Store
-from loadtests.fake_upstream import FakeUpstream, ServerThread, free_port, serve_app
+from loadtests.fake_upstream import FakeUpstream, free_port
 from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL, TeamLimits
+from tests.serve_thread import ServerThread, serve_app
 
 PROMPT = [1, 2, 3]
 

@@ -157,7 +157,7 @@ class _Client:
     def __init__(self, answer) -> None:
         self.answer = answer
 
-    async def request(self, method, url):
+    async def request(self, method, url, body=b"", headers=None):
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer

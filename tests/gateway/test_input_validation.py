@@ -20,8 +20,9 @@ from gateway.auth import Authenticator
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.services import Services
 from gateway.store import Store
-from loadtests.fake_upstream import FakeUpstream, ServerThread, serve_app
+from loadtests.fake_upstream import FakeUpstream
 from policies.limits import TeamLimits
+from tests.serve_thread import ServerThread, serve_app
 
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "Say hello"}]

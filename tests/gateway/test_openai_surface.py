@@ -19,8 +19,9 @@ from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConf
 from gateway.events import read_events
 from gateway.store import Store
 from gateway.token_count import TokenCounter
-from loadtests.fake_upstream import FakeUpstream, ServerThread, embedding_vector, serve_app
+from loadtests.fake_upstream import FakeUpstream, embedding_vector
 from policies.limits import TeamLimits
+from tests.serve_thread import ServerThread, serve_app
 
 UPSTREAM_MODEL = "fake-model"
 EXTERNAL = "ext-model"  # an external OpenAI-compatible pool, context length from its config

@@ -15,8 +15,9 @@ from gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig,
 from gateway.events import EventWriter, read_events, replay_after
 from gateway.store import Store
 from gateway.usage import UsageRecorder
-from loadtests.fake_upstream import FakeUpstream, ServerThread, free_port, serve_app
+from loadtests.fake_upstream import FakeUpstream, free_port
 from policies.limits import TeamLimits
+from tests.serve_thread import ServerThread, serve_app
 
 MODEL = "m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
