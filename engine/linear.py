@@ -2,9 +2,11 @@
 
 - `DenseLinear`: the weight kept pre-transposed ([in, out], contiguous); on CPU, MKL's small-M GEMM is several times
   faster on that layout than on F.linear's [out, in], and decode is all small-M GEMMs.
-- `Int8Linear`: int8 weights with one scale per 32 weights of a row (llama.cpp's Q8_0 grouping), widened to
-  float32 inside our own kernel (kernels/cpu/int8_linear.cpp): a quarter of the bytes a float32 decode step reads
-  (half of bfloat16's), and no activation rounding. bfloat16 activations are widened to float32 for the call.
+- `Int8Linear`: int8 weights with one scale per 32 weights of a row (llama.cpp's Q8_0 grouping): a quarter of the
+  bytes a float32 decode step reads (half of bfloat16's). At decode the activations are rounded to int8 too, per 32
+  values of a row with their own scale, and multiplied in integers (kernels/cpu/q8_linear.cpp, llama.cpp's Q8_0 x
+  Q8_0 kernel): widening the weights to float32 instead (kernels/cpu/int8_linear.cpp, no activation rounding) left
+  that kernel compute-bound. bfloat16 activations are widened to float32 for the call.
   (fbgemm's dynamic int8 linear is faster still but quantizes activations per tensor: SmolLM2's perplexity doubled,
   down_proj's outliers alone took top-1 agreement to 73%. aten's `_weight_int8pack_mm` with bf16 activations takes
   one scale per output channel only: top-1 agreement with float32 fell to 94.9%, under the 95% bar, where groups of
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import int8_linear
+from kernels.cpu_ops import int8_linear, q8_linear
 
 QUANTIZATIONS = ("none", "int8", "auto")
 
@@ -56,20 +58,25 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear:
-    """int8 weights, float32 math. Decode-sized batches (<= SMALL_M rows) run the weight-only kernel, which reads
-    each int8 row once; bigger ones (prefill chunks) are compute-bound, so the weight is widened to float32 for that
-    call and MKL does the GEMM. Activations of another dtype (bfloat16) are widened and the result narrowed back."""
+    """int8 weights, integer or float32 math. Decode-sized batches (<= SMALL_M rows) run one of the small-M kernels,
+    which read each int8 row once: by default the one that rounds the activations to int8 per group of 32
+    (`int8_activations`), else the weight-only one. Bigger batches (prefill chunks) are compute-bound, so the weight
+    is widened to float32 for that call and MKL does the GEMM on float32 activations. Activations of another dtype
+    (bfloat16) are widened and the result narrowed back."""
 
-    __slots__ = ("weight", "scales")
-    SMALL_M = 64  # the kernel beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
+    __slots__ = ("weight", "scales", "int8_activations")
+    SMALL_M = 64  # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, int8_activations: bool = True) -> None:
         self.weight, self.scales = _grouped_int8(weight)
+        # The integer kernel takes groups of 32 only; a row that 32 does not divide has one scale for the whole row.
+        self.int8_activations = int8_activations and self.scales.shape[1] * GROUP == self.weight.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype, x = x.dtype, x.float()
         if x.shape[0] <= self.SMALL_M:
-            return int8_linear(x, self.weight, self.scales).to(dtype)
+            kernel = q8_linear if self.int8_activations else int8_linear
+            return kernel(x, self.weight, self.scales).to(dtype)
         return (x @ _dequantize(self.weight, self.scales).t()).to(dtype)
 
     @property

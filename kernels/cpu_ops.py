@@ -1,4 +1,4 @@
-"""The CPU kernels in kernels/cpu/ (int8 weight-only GEMM, paged decode attention), compiled once per machine with
+"""The CPU kernels in kernels/cpu/ (int8 GEMMs, paged decode attention), compiled once per machine with
 the local C++ compiler.
 
 torch.utils.cpp_extension caches the build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so only the first
@@ -48,6 +48,19 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     module = load()
     assert module is not None, "the CPU kernels could not be built on this machine"
     return module.int8_linear(x, weight, scales)
+
+
+def q8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 rounded to int8 per 32 values of a row, weight [N, K] int8, scales [N, K / 32] float32 ->
+    [M, N] float32, by integer dot products (llama.cpp's Q8_0 x Q8_0 decode kernel)."""
+    module = load()
+    assert module is not None, "the CPU kernels could not be built on this machine"
+    return module.q8_linear(x, weight, scales)
+
+
+def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (int8 [M, K], float32 scales [M, K / 32]): the activation rounding q8_linear applies."""
+    return load().q8_quantize(x)
 
 
 def paged_decode_attention(

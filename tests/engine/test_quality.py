@@ -1,6 +1,7 @@
 """Faster formats keep the model's quality: on a fixed English text shipped with the tests (the GFDL 1.3, ~5k
 tokens), each weight format's perplexity is within 3% of float32's and its greedy top-1 prediction agrees with
-float32's at >= 95% of positions. The float32 perplexity itself is checked against HF transformers' loss on the same
+float32's at >= 95% of positions, int8 on both of its paths (prefill chunks on float32 activations, decode steps on
+activations rounded to int8 too). The float32 perplexity itself is checked against HF transformers' loss on the same
 GGUF weights, so the yardstick is not ours alone."""
 
 import math
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engine.config import default_model_path
+from engine.linear import Int8Linear
 from engine.loader import load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import perplexity, window_logprobs
@@ -78,10 +80,24 @@ def test_float32_log_likelihood_equals_hf_transformers_loss(weights, corpus):
 )
 def test_format_stays_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, dtype, quantization):
     config, state = weights
-    base_ppl, base_top1 = float32_result
     model = LlamaForCausalLM(config, state, dtype, "cpu", None, 2048, quantization)
+    assert_close_to_float32(model, corpus, float32_result, f"{dtype} {quantization}")
+
+
+def test_int8_decode_kernel_stays_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, monkeypatch):
+    # The corpus runs as prefill chunks, wider than the rows the decode kernel takes: widened here, every position
+    # goes through the kernel that decode steps use.
+    monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
+    config, state = weights
+    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "int8")
+    assert model.lm_head.int8_activations
+    assert_close_to_float32(model, corpus, float32_result, "float32 int8, decode kernel (int8 activations)")
+
+
+def assert_close_to_float32(model, corpus, float32_result, label: str) -> None:
+    base_ppl, base_top1 = float32_result
     ppl, top1 = perplexity(model, corpus)
     agreement = (top1 == base_top1).float().mean().item()
-    print(f"{dtype} {quantization}: perplexity {ppl:.3f} vs float32 {base_ppl:.3f}, top-1 agreement {agreement:.3f}")
+    print(f"{label}: perplexity {ppl:.3f} vs float32 {base_ppl:.3f}, top-1 agreement {agreement:.3f}")
     assert ppl <= base_ppl * 1.03
     assert agreement >= 0.95

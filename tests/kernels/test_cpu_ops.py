@@ -1,15 +1,16 @@
 """The C++ CPU kernels against torch: the int8 weight-only GEMM equals float32 matmul on the same dequantized weights
 for every small M (its register tiles of 4, 3, 2, 1 rows), grouped and per-row scales, and K with a tail past the
-vector width; Int8Linear answers the same on both of its paths; the paged decode attention equals the torch
-reference for GQA, scattered blocks, partial last blocks and empty rows; the fused RMSNorm, RoPE and SiLU-gating equal
-the model's torch code."""
+vector width; the int8 x int8 GEMM rounds activations exactly as llama.cpp's quantize_row_q8_0 and equals the
+integer dot products of the rounded rows, scaled, up to float rounding, on the model's shapes; Int8Linear's decode
+and prefill paths agree; the paged decode attention equals the torch reference for GQA, scattered blocks, partial
+last blocks and empty rows; the fused RMSNorm, RoPE and SiLU-gating equal the model's torch code."""
 
 import pytest
 import torch
 
 from engine.linear import Int8Linear, _dequantize, _grouped_int8, make_linear
 from kernels import reference
-from kernels.cpu_ops import int8_linear, load, paged_decode_attention
+from kernels.cpu_ops import int8_linear, load, paged_decode_attention, q8_linear, q8_quantize
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -35,16 +36,93 @@ def test_grouped_int8_rounds_each_weight_to_within_half_a_step():
     assert (error <= scales[:, :, None] / 2 + 1e-7).all()
 
 
-def test_int8_linear_answers_the_same_on_the_decode_and_the_prefill_path():
+def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's quantize_row_q8_0 in torch: per 32 values, d = amax / 127, q = round-half-even(x * (127 / amax))."""
+    m, k = x.shape
+    groups = x.reshape(m, k // 32, 32)
+    amax = groups.abs().amax(dim=2)
+    # torch.div, not `127 / amax`: a scalar over a tensor is computed as 127 * (1 / amax), one more rounding.
+    inverse = torch.where(amax != 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    return (groups * inverse[:, :, None]).round().to(torch.int8).reshape(m, k), amax / 127
+
+
+def q8_linear_reference(x, q, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, the sum of |each group's term|): every group's dot product in integers, scaled by the two groups' scales."""
+    xq, xd = q8_reference(x)
+    m, k = x.shape
+    n, groups = scales.shape
+    # Integer products of at most 127 * 127, 32 a group: every partial sum is exact in float32.
+    dots = torch.bmm(
+        xq.reshape(m, groups, 32).float().transpose(0, 1), q.reshape(n, groups, 32).float().permute(1, 2, 0)
+    ).permute(1, 2, 0)  # [m, n, groups]
+    terms = dots.double() * (xd[:, None, :] * scales[None, :, :]).double()
+    return terms.sum(2), terms.abs().sum(2)
+
+
+def test_q8_quantize_rounds_as_llama_cpp():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1536, generator=g) * torch.logspace(-4, 1, 1536)
+    x[1, 64:96] = 0  # an all-zero group: scale 0, values 0
+    x[2, :32] = torch.arange(32) - 15.5
+    x[2, 31] = 127.0  # amax 127: x * 127 / amax = x, every other value a tie
+    q, d = q8_quantize(x)
+    want_q, want_d = q8_reference(x)
+    assert torch.equal(q, want_q)
+    assert torch.equal(d, want_d)
+    assert q.abs().max() <= 127  # never -128, which the sign trick could not negate
+    assert (d[1, 2] == 0).item() and (q[1, 64:96] == 0).all()
+    assert q[2, 16:19].tolist() == [0, 2, 2]  # 0.5, 1.5, 2.5: ties to even, as _mm256_round_ps does
+
+
+@pytest.mark.parametrize(
+    "k,n", [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 960), (576, 3072), (576, 49152), (576, 6)]
+)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_q8_linear_equals_the_integer_dots_of_the_rounded_rows(k, n, m):
+    g = torch.Generator().manual_seed(k + n + m)
+    q, scales = _grouped_int8(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(m, k, generator=g)
+    x[0, 5] = 40.0  # an outlier coarsens its own group only
+    want, magnitude = q8_linear_reference(x, q, scales)
+    error = (q8_linear(x, q, scales).double() - want).abs()
+    assert (error <= 1e-5 * magnitude + 1e-12).all()
+
+
+def test_q8_linear_stays_close_to_the_weight_only_kernel():
+    g = torch.Generator().manual_seed(9)
+    q, scales = _grouped_int8(torch.randn(1536, 576, generator=g) * 0.05)
+    x = torch.randn(16, 576, generator=g)
+    weight_only = int8_linear(x, q, scales)
+    relative = (q8_linear(x, q, scales) - weight_only).norm() / weight_only.norm()
+    assert relative.item() < 0.01  # about 0.5%: the activations' own rounding
+
+
+def test_q8_linear_refuses_k_that_32_does_not_divide_and_int8linear_keeps_the_weight_only_kernel():
+    q, scales = _grouped_int8(torch.randn(8, 44))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        q8_linear(torch.randn(2, 44), q, scales)
+    layer = Int8Linear(torch.randn(8, 44))
+    assert not layer.int8_activations
+    x = torch.randn(2, 44)
+    torch.testing.assert_close(layer(x), int8_linear(x, layer.weight, layer.scales))
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int8_linear_answers_the_same_on_the_decode_and_the_prefill_path(int8_activations):
     weight = torch.randn(300, 576) * 0.05
     layer = make_linear(weight, torch.float32, "int8")
-    assert isinstance(layer, Int8Linear)
+    assert isinstance(layer, Int8Linear) and layer.int8_activations  # the integer kernel by default
+    layer.int8_activations = int8_activations
     x = torch.randn(Int8Linear.SMALL_M + 8, 576)
     big = layer(x)  # dequantize + matmul
     small = torch.cat([layer(x[: Int8Linear.SMALL_M]), layer(x[Int8Linear.SMALL_M :])])
-    torch.testing.assert_close(big, small, rtol=1e-4, atol=1e-5)
+    if int8_activations:  # the decode path rounds the activations too
+        assert ((small - big).norm() / big.norm()).item() < 0.01
+    else:
+        torch.testing.assert_close(big, small, rtol=1e-4, atol=1e-5)
     dense = x @ weight.t()
     assert ((big - dense).norm() / dense.norm()).item() < 0.01
+    assert ((small - dense).norm() / dense.norm()).item() < 0.01
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 24)])

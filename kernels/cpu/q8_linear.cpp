@@ -1,0 +1,196 @@
+// y[M, N] = x[M, K] . dequant(w)^T with the activations quantized too, as llama.cpp does at decode: each row of x is
+// cut into groups of 32, each group rounded to int8 with one float scale (quantize_row_q8_0: d = amax / 127, q =
+// round-to-nearest-even(x * 127 / amax)), and every group's dot product with the int8 weights (one float scale per 32
+// weights of a row, scales [N, K / 32]) is done in integers, then scaled by the two groups' scales
+// (ggml_vec_dot_q8_0_q8_0). The scales stay float32 where llama.cpp rounds them to float16.
+//
+// Why: widening int8 weights to float32 costs four converts and a multiply per 8 weights, which made the weight-only
+// kernel compute-bound; here one _mm256_maddubs_epi16 multiplies 32 pairs. maddubs takes one unsigned operand, so the
+// sign trick feeds it |w| and x with w's sign (the same products); |w| is then shared by every activation row of a
+// tile. Pairs sum to at most 2 * 127 * 127, inside int16. AVX2; any other CPU takes the scalar loop.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+static constexpr int64_t QK = 32;  // weights and activations per scale
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < K / QK; ++g, x += QK, q += QK) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4);
+    d[g] = m / 127.f;
+    const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
+    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+    const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+}
+
+// One weight row against MT activation rows: each group of 32 weights is loaded once per tile and its |w| shared by
+// the rows. A lone row alternates two accumulators, so the FMA latency does not serialise the groups.
+template <int MT>
+static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t K, float* y,
+                            int64_t N) {
+  constexpr int U = MT == 1 ? 2 : 1;
+  const int64_t groups = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[U][MT];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < MT; ++r) acc[u][r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + U <= groups; g += U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g + u) * QK));
+      const __m256i wa = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < MT; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (g + u) * QK));
+        const __m256i prod = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc[u][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[g + u] * xd[r * groups + g + u]), dot, acc[u][r]);
+      }
+    }
+  }
+  for (; g < groups; ++g) {  // an odd group count with two accumulators
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * QK));
+    const __m256i wa = _mm256_sign_epi8(wv, wv);
+    for (int r = 0; r < MT; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * QK));
+      const __m256i prod = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+      acc[0][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[g] * xd[r * groups + g]), dot, acc[0][r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    for (int u = 1; u < U; ++u) acc[0][r] = _mm256_add_ps(acc[0][r], acc[u][r]);
+    y[r * N] = hsum(acc[0][r]);
+  }
+}
+
+// Weights are streamed from memory once per call (a decode step reads ~144 MiB, far more than the caches): with one
+// or two activation rows the kernel outruns the hardware prefetcher, so it asks for the rows a few ahead itself.
+static inline void prefetch_row(const int8_t* w, const float* wd, int64_t K) {
+  for (int64_t b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
+  for (int64_t b = 0; b < K / QK * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wd) + b, _MM_HINT_T0);
+}
+#else
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
+  for (int64_t g = 0; g < K / QK; ++g, x += QK, q += QK) {
+    float m = 0.f;
+    for (int i = 0; i < QK; ++i) m = std::max(m, std::fabs(x[i]));
+    d[g] = m / 127.f;
+    const float id = m != 0.f ? 127.f / m : 0.f;
+    for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // default mode: to even
+  }
+}
+
+template <int MT>
+static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t K, float* y,
+                            int64_t N) {
+  const int64_t groups = K / QK;
+  for (int r = 0; r < MT; ++r) {
+    float s = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int i = 0; i < QK; ++i) dot += int32_t(w[g * QK + i]) * int32_t(xq[r * K + g * QK + i]);
+      s += wd[g] * xd[r * groups + g] * static_cast<float>(dot);
+    }
+    y[r * N] = s;
+  }
+}
+
+static inline void prefetch_row(const int8_t*, const float*, int64_t) {}
+#endif
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, d + m * (K / QK));
+  });
+}
+
+// Rows of x [M, K] float32 -> (int8 [M, K], float32 scales [M, K / 32]): what q8_linear does to its input.
+std::tuple<torch::Tensor, torch::Tensor> q8_quantize(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K]");
+  TORCH_CHECK(x.size(1) % QK == 0, "K a multiple of 32");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto q = torch::empty({M, K}, xc.options().dtype(torch::kInt8));
+  auto d = torch::empty({M, K / QK}, xc.options());
+  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>());
+  return {q, d};
+}
+
+static inline void rows_tile(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t M, int64_t K,
+                             float* y, int64_t N) {
+  const int64_t groups = K / QK;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_dot<4>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N);
+  switch (M - m) {
+    case 3: tile_dot<3>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
+    case 2: tile_dot<2>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
+    case 1: tile_dot<1>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8, "float32 x, int8 w");
+  TORCH_CHECK(w.is_contiguous() && scales.is_contiguous(), "contiguous weights");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), groups = K / QK;
+  TORCH_CHECK(K % QK == 0, "K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == groups,
+              "float32 scales [N, K / 32]");
+  auto xc = x.contiguous();
+  // Plain buffers, not tensors: a decode step makes ~120 of these calls and each tensor costs an allocation's
+  // bookkeeping.
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * groups);
+  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), xd.data());
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int8_t* qp = xq.data();
+  const float* dp = xd.data();
+  float* yp = y.data_ptr<float>();
+  // One weight row at a time: tiles of several weight rows (to share each activation load) read the weights in an
+  // order the hardware prefetcher followed worse, and were slower on a decode step's cold weights.
+  constexpr int64_t AHEAD = 8;  // rows; measured flat from 4 to 32 on an AVX2 EPYC
+  const bool prefetch = M < 4;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * K, sp + (n + AHEAD) * groups, K);
+      rows_tile(wp + n * K, sp + n * groups, qp, dp, M, K, yp + n, N);
+    }
+  });
+  return y;
+}
