@@ -1,0 +1,180 @@
+"""Batch-1 decode speed of the in-process engine with int8 weights, before and after the integer decode kernel:
+
+    .venv/bin/python loadtests/bench_decode_step.py                 # kernels, then decode steps
+    .venv/bin/python loadtests/bench_decode_step.py --profile       # plus the top ops of a few profiled steps
+
+"weight-only" is the kernel that widens int8 weights to float32 against float32 activations
+(kernels/cpu/int8_linear.cpp); "q8" rounds the activations to int8 per 32 values and multiplies in integers
+(kernels/cpu/q8_linear.cpp). Both run in one process on one engine, switched per projection and alternated
+repetition by repetition, because the cores here are shared and their speed drifts: compare the ratios, not the
+absolute numbers of two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import linear as engine_linear  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.linear import Int8Linear, _grouped_int8  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.cpu_ops import int8_linear, q8_linear  # noqa: E402
+
+KERNELS = {"weight-only": int8_linear, "q8": q8_linear}
+SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (K, N): o_proj-like, down_proj, lm_head
+
+
+def time_call(fn, budget_s: float) -> float:
+    """Seconds per call: the best of five rounds, each as many calls as fit about budget_s / 5."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(budget_s / 5 / max(time.perf_counter() - start, 1e-6)))
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls)
+    return min(rounds)
+
+
+def bench_kernels(reps: int) -> None:
+    """Each shape with its weights hot (one copy, reused from the caches) and cold (copies cycled through, 96 MiB in
+    all, more than the L3: what a decode step does, whose 144 MiB of weights are read once each)."""
+    print("| K | N | M | weights | weight-only ms | q8 ms | speed-up |\n|---|---|---|---|---|---|---|")
+    for k, n in SHAPES:
+        weight, scales = _grouped_int8(torch.randn(n, k) * 0.05)
+        copies = [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(-(-96 * 2**20 // (n * k)) - 1)]
+        for m in (1, 16):
+            x = torch.randn(m, k)
+            for cache in ("hot", "cold"):
+                pool = copies[:1] if cache == "hot" else copies
+                times = {name: [] for name in KERNELS}
+                for _ in range(reps):  # alternated, so both see the same neighbours on the cores
+                    for name, kernel in KERNELS.items():
+                        weights = itertools.cycle(pool)
+                        times[name].append(time_call(lambda k=kernel, x=x, ws=weights: k(x, *next(ws)), 0.3))
+                old, new = min(times["weight-only"]) * 1e3, min(times["q8"]) * 1e3
+                print(f"| {k} | {n} | {m} | {cache} | {old:.3f} | {new:.3f} | {old / new:.2f}x |", flush=True)
+
+
+def projections(engine: LLMEngine) -> list[Int8Linear]:
+    model = engine.model
+    found = [p for layer in model.layers for p in layer.projections()] + [model.lm_head]
+    assert all(isinstance(p, Int8Linear) for p in found), "the engine did not build int8 projections"
+    return found
+
+
+def decode_steps(engine: LLMEngine, prompt: list[int], tokens: int) -> list[float]:
+    """Seconds of each decode step of one greedy request (the prefill step is not counted)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(f"bench-{time.monotonic_ns()}", prompt, params)
+    engine.step()  # prefill and first token
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
+def bench_decode(engine: LLMEngine, reps: int, prompt_len: int, tokens: int) -> None:
+    prompt = list(range(1000, 1000 + prompt_len))
+    layers = projections(engine)
+    per_kernel: dict[str, list[float]] = {name: [] for name in KERNELS}
+    print(f"\nbatch-1 decode, prompt {prompt_len} tokens, {tokens} new tokens per repetition, median step of each")
+    print("| repetition | kernel | ms/step | tok/s |\n|---|---|---|---|")
+    decode_steps(engine, prompt, 8)  # warm-up
+    for rep in range(reps):
+        order = list(KERNELS) if rep % 2 == 0 else list(reversed(KERNELS))
+        for name in order:
+            for p in layers:
+                p.int8_activations = name == "q8"
+            ms = statistics.median(decode_steps(engine, prompt, tokens)) * 1e3
+            per_kernel[name].append(ms)
+            print(f"| {rep + 1} | {name} | {ms:.2f} | {1e3 / ms:.1f} |", flush=True)
+    old, new = statistics.median(per_kernel["weight-only"]), statistics.median(per_kernel["q8"])
+    print("\n| kernel | median ms/step | tok/s |\n|---|---|---|")
+    for name, ms in (("weight-only", old), ("q8", new)):
+        print(f"| {name} | {ms:.2f} | {1e3 / ms:.1f} |")
+    print(f"q8 / weight-only speed-up: {old / new:.2f}x")
+    mib = engine.model.weight_bytes_per_step() / 2**20
+    print(f"weights read per step: {mib:.0f} MiB")
+
+
+class Labelled:
+    """Every callable attribute of `target`, called inside a profiler range of its name: the C++ kernels are
+    pybind functions, which the profiler would otherwise not see."""
+
+    def __init__(self, target, prefix: str) -> None:
+        self._target, self._prefix = target, prefix
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._target, name)
+        return labelled(attr, f"{self._prefix}.{name}") if callable(attr) else attr
+
+
+def labelled(fn, label: str):
+    from torch.profiler import record_function
+
+    def call(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def profile_steps(engine: LLMEngine, prompt_len: int, steps: int) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for p in projections(engine):
+        p.int8_activations = True
+    model = engine.model
+    engine_linear.q8_linear = labelled(engine_linear.q8_linear, "q8_linear")  # what Int8Linear calls
+    model.lm_head = labelled(model.lm_head, "lm_head (q8_linear)")
+    for attention in {id(layer.attention): layer.attention for layer in model.layers}.values():  # shared
+        attention.ops = Labelled(attention.ops, "attention")
+    for layer in model.layers:
+        layer.fused = Labelled(layer.fused, "fused") if layer.fused is not None else None
+    model.forward = labelled(model.forward, "model.forward")
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    engine.add_request("profiled", list(range(1000, 1000 + prompt_len)), params)
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            with record_function("engine.step"):
+                engine.step()
+    print(f"\nprofile of {steps} batch-1 decode steps (q8); C++ kernels labelled by their Python name")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=4, help="alternated repetitions of each kernel")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per repetition")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the decode steps")
+    parser.add_argument("--profile", action="store_true", help="also profile q8 decode steps")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    if not args.skip_kernels:
+        bench_kernels(max(2, args.reps // 2))
+    engine = LLMEngine(EngineConfig(dtype="float32", quantization="int8", max_model_len=2048, num_kv_blocks=256))
+    bench_decode(engine, args.reps, args.prompt, args.tokens)
+    if args.profile:
+        profile_steps(engine, args.prompt, 32)
+
+
+if __name__ == "__main__":
+    main()
