@@ -79,7 +79,7 @@ class PoolConfig:
     # None: "prefix" for a pool of our engines, "least_loaded" (least in flight) for external members.
     route: str | None = None
     route_load_epsilon: float = 0.25  # bounded load: no prefix affinity above (1 + eps) x the mean load
-    route_min_bound: int = 4  # ... nor above this many requests (below it an engine's batch has room)
+    route_min_bound: int = 6  # ... nor above this many requests (below it an engine's batch has room)
     route_max_waiting: int = 8  # nor for an engine whose queue is longer
     # The prefix score's exchange rates, in prefill tokens a cache hit saves: one request of load costs
     # route_load_cost_tokens, a full KV pool (about to evict) route_kv_cost_tokens.

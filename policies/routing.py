@@ -47,7 +47,7 @@ class RouteParams:
     load_cost_tokens: float = 32.0  # one request of load is worth this many prefill tokens
     kv_cost_tokens: float = 64.0  # a full KV pool (usage 1.0) is worth this many (it is about to evict)
     load_epsilon: float = 0.25  # bounded load: at most (1 + eps) * the mean load
-    min_bound: int = 4  # an instance under this load is never over the bound
+    min_bound: int = 6  # an instance under this load is never over the bound (a batch of 6 is small for an engine)
     max_waiting: int = 8  # an engine queue longer than this takes no prefix affinity
 
     def __post_init__(self) -> None:
