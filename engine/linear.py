@@ -3,10 +3,11 @@
 - `DenseLinear`: the weight kept pre-transposed ([in, out], contiguous); on CPU, MKL's small-M GEMM is several times
   faster on that layout than on F.linear's [out, in], and decode is all small-M GEMMs.
 - `Int8Linear`: int8 weights with one scale per 32 weights of a row (llama.cpp's Q8_0 grouping): a quarter of the
-  bytes a float32 decode step reads (half of bfloat16's). At decode the activations are rounded to int8 too, per 32
-  values of a row with their own scale, and multiplied in integers (kernels/cpu/q8_linear.cpp, llama.cpp's Q8_0 x
-  Q8_0 kernel): widening the weights to float32 instead (kernels/cpu/int8_linear.cpp, no activation rounding) left
-  that kernel compute-bound. bfloat16 activations are widened to float32 for the call.
+  bytes a float32 decode step reads (half of bfloat16's). `int8` widens them to float32 in our kernel
+  (kernels/cpu/int8_linear.cpp, no activation rounding: compute-bound at decode); `w8a8` also rounds the activations
+  to int8 at decode, per 32 values of a row with their own scale, and multiplies in integers
+  (kernels/cpu/q8_linear.cpp, llama.cpp's Q8_0 x Q8_0 kernel). bfloat16 activations are widened to float32 for the
+  call.
   (fbgemm's dynamic int8 linear is faster still but quantizes activations per tensor: SmolLM2's perplexity doubled,
   down_proj's outliers alone took top-1 agreement to 73%. aten's `_weight_int8pack_mm` with bf16 activations takes
   one scale per output channel only: top-1 agreement with float32 fell to 94.9%, under the 95% bar, where groups of
@@ -21,7 +22,7 @@ import torch
 
 from kernels.cpu_ops import int8_linear, q8_linear
 
-QUANTIZATIONS = ("none", "int8", "auto")
+QUANTIZATIONS = ("none", "int8", "w8a8", "auto")
 
 
 class DenseLinear:
@@ -59,15 +60,17 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear:
     """int8 weights, integer or float32 math. Decode-sized batches (<= SMALL_M rows) run one of the small-M kernels,
-    which read each int8 row once: by default the one that rounds the activations to int8 per group of 32
-    (`int8_activations`), else the weight-only one. Bigger batches (prefill chunks) are compute-bound, so the weight
-    is widened to float32 for that call and MKL does the GEMM on float32 activations. Activations of another dtype
-    (bfloat16) are widened and the result narrowed back."""
+    which read each int8 row once: the weight-only one (`int8`), or with `int8_activations` (`w8a8`) the one that
+    rounds the activations to int8 per group of 32 (1.34x faster at batch 1 on an AVX2 EPYC, but greedy top-1
+    agreement with float32 95.9% against 97.4%, and SmolLM2 stops answering "What is the capital of France?" with
+    Paris). Bigger batches (prefill chunks) are compute-bound, so the weight is widened to float32 for that call and
+    MKL does the GEMM on float32 activations. Activations of another dtype (bfloat16) are widened and the result
+    narrowed back."""
 
     __slots__ = ("weight", "scales", "int8_activations")
     SMALL_M = 64  # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
 
-    def __init__(self, weight: torch.Tensor, int8_activations: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, int8_activations: bool = False) -> None:
         self.weight, self.scales = _grouped_int8(weight)
         # The integer kernel takes groups of 32 only; a row that 32 does not divide has one scale for the whole row.
         self.int8_activations = int8_activations and self.scales.shape[1] * GROUP == self.weight.shape[1]
@@ -89,9 +92,9 @@ Linear = DenseLinear | Int8Linear
 
 def make_linear(weight: torch.Tensor, dtype: torch.dtype, quantization: str) -> Linear:
     """weight: [out, in] in torch's layout, already in `dtype` on its device."""
-    assert quantization in ("none", "int8"), f"resolve quantization {quantization!r} before building the model"
+    assert quantization in ("none", "int8", "w8a8"), f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
         return DenseLinear(weight)
     assert weight.device.type == "cpu", "int8 projections are CPU kernels"
     assert dtype in (torch.float32, torch.bfloat16), f"int8 with {dtype} activations has no CPU kernel"
-    return Int8Linear(weight)
+    return Int8Linear(weight, int8_activations=quantization == "w8a8")

@@ -28,7 +28,7 @@ PROBE_SECONDS = 0.25
 @dataclass(frozen=True, slots=True)
 class Precision:
     dtype: torch.dtype
-    quantization: str  # none | int8
+    quantization: str  # none | int8 | w8a8
     reason: str
 
 
@@ -102,7 +102,7 @@ def resolve(dtype: str, quantization: str, device: torch.device, shape: tuple[in
             dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
             quant = "int8" if int8 * 1.1 < dense else "none"
             notes.append(f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)")
-    elif quantization == "int8":
+    elif quantization in ("int8", "w8a8"):
         assert resolved in (torch.float32, torch.bfloat16), f"int8 weights need float32 or bfloat16, not {resolved}"
-        notes.append("int8 weights (asked)")
+        notes.append(f"{quantization} (asked)")
     return Precision(resolved, quant, "; ".join(notes))

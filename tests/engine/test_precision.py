@@ -1,6 +1,7 @@
 """Choosing the compute format: `auto` never picks emulated bf16, explicit choices are kept, and every format the
 engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model to logits close to HF's float32."""
 
+import pytest
 import torch
 
 from engine.llm import LLM
@@ -30,6 +31,7 @@ def test_auto_quantization_reports_the_probe_it_decided_on():
 def test_explicit_choices_are_kept():
     assert resolve("float32", "none", torch.device("cpu"), SHAPE).quantization == "none"
     assert resolve("float32", "int8", torch.device("cpu"), SHAPE).quantization == "int8"
+    assert resolve("float32", "w8a8", torch.device("cpu"), SHAPE).quantization == "w8a8"
     assert resolve("bfloat16", "none", torch.device("cpu"), SHAPE).dtype == torch.bfloat16
 
 
@@ -51,9 +53,11 @@ def test_every_format_gives_logits_close_to_hf_float32(tiny_model_dir, tiny_hf_m
         assert relative_error < tolerance, (dtype, quantization, relative_error)
 
 
-def test_an_int8_engine_serves_requests_end_to_end(tiny_model_dir):
-    llm = LLM(tiny_model_dir, quantization="int8", num_kv_blocks=32, max_num_batched_tokens=16)
-    assert llm.engine.precision.quantization == "int8"
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_an_int8_engine_serves_requests_end_to_end(tiny_model_dir, quantization):
+    llm = LLM(tiny_model_dir, quantization=quantization, num_kv_blocks=32, max_num_batched_tokens=16)
+    assert llm.engine.precision.quantization == quantization
+    assert llm.engine.model.lm_head.int8_activations == (quantization == "w8a8")
     outs = llm.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.num_output_tokens for o in outs] == [8, 8]
     assert llm.engine.block_manager.num_free_blocks == 32  # every block back (cached prefixes stay evictable)

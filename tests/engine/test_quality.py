@@ -84,12 +84,12 @@ def test_format_stays_within_3_percent_of_float32_perplexity(weights, corpus, fl
     assert_close_to_float32(model, corpus, float32_result, f"{dtype} {quantization}")
 
 
-def test_int8_decode_kernel_stays_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, monkeypatch):
+def test_w8a8_decode_kernel_stays_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, monkeypatch):
     # The corpus runs as prefill chunks, wider than the rows the decode kernel takes: widened here, every position
     # goes through the kernel that decode steps use.
     monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
     config, state = weights
-    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "int8")
+    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "w8a8")
     assert model.lm_head.int8_activations
     assert_close_to_float32(model, corpus, float32_result, "float32 int8, decode kernel (int8 activations)")
 

@@ -110,9 +110,8 @@ def test_q8_linear_refuses_k_that_32_does_not_divide_and_int8linear_keeps_the_we
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_int8_linear_answers_the_same_on_the_decode_and_the_prefill_path(int8_activations):
     weight = torch.randn(300, 576) * 0.05
-    layer = make_linear(weight, torch.float32, "int8")
-    assert isinstance(layer, Int8Linear) and layer.int8_activations  # the integer kernel by default
-    layer.int8_activations = int8_activations
+    layer = make_linear(weight, torch.float32, "w8a8" if int8_activations else "int8")
+    assert isinstance(layer, Int8Linear) and layer.int8_activations == int8_activations
     x = torch.randn(Int8Linear.SMALL_M + 8, 576)
     big = layer(x)  # dequantize + matmul
     small = torch.cat([layer(x[: Int8Linear.SMALL_M]), layer(x[Int8Linear.SMALL_M :])])
