@@ -11,14 +11,18 @@ client waits on a loop that will never answer; later requests are refused with t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
+
+import torch
 
 from engine.llm_engine import LLMEngine, RequestError
 from engine.metrics import EngineMetrics
@@ -92,8 +96,47 @@ class _Abort:
     reply: Callable[[RequestOutput | None], None]  # runs on the event loop with the final output, if known
 
 
+class EngineThread:
+    """One daemon thread that runs what it is given, in order: build the LLMEngine on it (`call(LLMEngine, config)`),
+    then hand it to AsyncEngine, which runs the step loop on it.
+
+    The OpenMP runtime keeps a worker pool per thread that starts parallel work. Two such threads (the model loaded on
+    the main thread, steps on another) mean more workers than cores, and then libgomp stops spin-waiting between
+    parallel regions: every op of a step pays a futex wake-up. Measured on 2 cores, batch-1 decode with 2 threads:
+    ~70 tok/s stepping on the thread that loaded the model, 30-50 on another one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable, tuple] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def call(self, fn: Callable, *args):
+        """Run fn(*args) on the thread and return its result (or raise its exception) here."""
+        return self.submit(fn, *args).result()
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # the caller of result() gets it
+                    future.set_exception(exc)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, metrics: EngineMetrics | None = None, thread: EngineThread | None = None
+    ) -> None:
+        """`thread`: the EngineThread that built `engine`, to run the step loop on; by default a new one."""
         self.engine = engine
         self.metrics = metrics or EngineMetrics(engine.model_name, max_model_len=engine.max_model_len)
         self.stats: SchedulerStats = engine.make_stats()  # the latest snapshot, published by the engine thread
@@ -103,7 +146,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._finished: OrderedDict[str, RequestOutput] = OrderedDict()  # engine thread writes
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._running: Future | None = None
         self._stopping = False
 
     # --- what the server may know about the engine ------------------------------------------------------------------
@@ -136,19 +180,21 @@ class AsyncEngine:
 
     @property
     def started(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     def start(self) -> None:
-        assert self._thread is None, "already started"
+        assert self._running is None, "already started"
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
-        self._thread.start()
+        self._thread = self._thread or EngineThread()
+        self._running = self._thread.submit(self._run)
 
     def stop(self) -> None:
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._running is not None:
+            with contextlib.suppress(TimeoutError):
+                self._running.result(timeout=10)
+            self._thread.shutdown()
 
     # --- called on the event loop -----------------------------------------------------------------------------------
 
@@ -210,6 +256,8 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.config.num_threads:  # torch's thread count is per thread under OpenMP: set it where steps run
+            torch.set_num_threads(self.engine.config.num_threads)
         try:
             while not self._stopping:
                 if self._run_commands():

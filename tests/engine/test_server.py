@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import pytest
 import torch
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import EngineConfig
 from engine.flags import parse_size
 from engine.llm import LLM
@@ -685,3 +686,29 @@ async def test_concurrent_streams_each_get_their_own_tokens(served, model_dir):
     assert await asyncio.gather(*(one(i) for i in range(8))) == want
     load = await served.wait_idle()
     assert load["num_free_blocks"] == load["num_total_blocks"]
+
+
+async def test_step_loop_runs_on_the_thread_that_built_the_engine(model_dir):
+    """Built on an EngineThread, the engine is stepped on that same thread: the OpenMP pools of two compute threads
+    would outnumber the cores, and libgomp then sleeps between parallel regions (half the batch-1 speed)."""
+    thread = EngineThread()
+    engine = thread.call(make_engine, model_dir)
+    built_on = thread.call(threading.get_ident)
+    stepped_on: set[int] = set()
+    step = engine.step
+
+    def traced_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = traced_step
+    async_engine = AsyncEngine(engine, thread=thread)
+    async_engine.start()
+    try:
+        stream = async_engine.add_request("on-thread", PROMPT, SamplingParams(max_tokens=3))
+        outs = [out async for out in stream]
+        stream.close()
+        assert outs[-1].finished and outs[-1].num_output_tokens == 3
+    finally:
+        async_engine.stop()
+    assert stepped_on == {built_on} and built_on != threading.get_ident()
