@@ -1,4 +1,4 @@
-"""The CPU kernels in kernels/cpu/ (int8 GEMMs, paged decode attention), compiled once per machine with
+"""The CPU kernels in kernels/cpu/ (int8 GEMMs, paged decode attention, KV cache write), compiled once per machine with
 the local C++ compiler.
 
 torch.utils.cpp_extension caches the build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so only the first
@@ -73,3 +73,15 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_decode_attention, float32 only."""
     return load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """kernels.reference.store_kv for key, value and caches of one dtype, head_dim contiguous, int32 or int64 slots;
+    anything else returns False without writing (the caller falls back to the reference)."""
+    return load().store_kv(key, value, k_cache, v_cache, slot_mapping)

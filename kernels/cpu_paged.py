@@ -1,13 +1,27 @@
-"""The "cpu" attention backend: decode through the C++ paged kernel (kernels/cpu/paged_decode.cpp), which reads K/V
-in place through the block table, and everything else (KV write, chunked prefill, non-float32 decode) through the
-torch reference. Chosen by `auto` on machines where the CPU kernels build."""
+"""The "cpu" attention backend: the KV write and decode through the C++ kernels (kernels/cpu/store_kv.cpp, and
+kernels/cpu/paged_decode.cpp, which reads K/V in place through the block table), and everything else (chunked
+prefill, a KV write that converts dtypes, non-float32 decode) through the torch reference. Chosen by `auto` on machines
+where the CPU kernels build."""
 
 import torch
 
 from kernels import cpu_ops, reference
-from kernels.reference import paged_prefill_attention, store_kv
+from kernels.reference import paged_prefill_attention
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv"]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [N, Hkv, D] into the caches at slot_mapping [N]; slot -1 is padding, skipped."""
+    # The kernel declines copies that convert dtypes (the reference's .to(cache dtype)) or odd layouts: rare.
+    if not cpu_ops.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(

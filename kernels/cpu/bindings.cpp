@@ -9,13 +9,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+bool store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x @ dequant(w).T, scales per group of K / groups weights");
-  m.def("q8_linear", &q8_linear, "y = q8(x) . dequant(w).T: activations rounded to int8 per 32, integer dots");
-  m.def("q8_quantize", &q8_quantize, "rows to int8 with one float32 scale per 32 values (llama.cpp's Q8_0)");
-  m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over its paged context");
-  m.def("rms_norm", &rms_norm, "HF Llama RMSNorm, float32");
-  m.def("rope_", &rope_, "rotate-half RoPE in place on the first heads of each row");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
+  // The kernels touch only tensors through ATen, never Python objects, so they run without the GIL: the server's
+  // event loop thread keeps serving while the engine thread computes. Arguments and results are converted with it.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("int8_linear", &int8_linear, nogil, "y = x @ dequant(w).T, scales per group of K / groups weights");
+  m.def("q8_linear", &q8_linear, nogil, "y = q8(x) . dequant(w).T: activations rounded to int8 per 32, integer dots");
+  m.def("q8_quantize", &q8_quantize, nogil, "rows to int8 with one float32 scale per 32 values (llama.cpp's Q8_0)");
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
+        "one query token per sequence over its paged context");
+  m.def("rms_norm", &rms_norm, nogil, "HF Llama RMSNorm, float32");
+  m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on the first heads of each row");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a fused [T, 2I] projection");
+  m.def("store_kv", &store_kv, nogil, "key/value rows into the paged caches at their slots; false where it cannot");
 }

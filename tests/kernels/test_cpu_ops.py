@@ -3,7 +3,8 @@ for every small M (its register tiles of 4, 3, 2, 1 rows), grouped and per-row s
 vector width; the int8 x int8 GEMM rounds activations exactly as llama.cpp's quantize_row_q8_0 and equals the
 integer dot products of the rounded rows, scaled, up to float rounding, on the model's shapes; Int8Linear's decode
 and prefill paths agree; the paged decode attention equals the torch reference for GQA, scattered blocks, partial
-last blocks and empty rows; the fused RMSNorm, RoPE and SiLU-gating equal the model's torch code."""
+last blocks, empty rows and contexts split across threads; the fused RMSNorm, RoPE and SiLU-gating equal the model's
+torch code."""
 
 import pytest
 import torch
@@ -143,6 +144,33 @@ def test_paged_decode_attention_equals_the_torch_reference(num_heads, num_kv_hea
     got = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[2] == 0).all()  # an empty row stays zero, as on the Triton backend
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,lens", [(9, 3, [600]), (9, 3, [130]), (4, 1, [0, 200, 131])])
+def test_paged_decode_attention_split_over_the_context_equals_the_torch_reference(num_heads, num_kv_heads, lens):
+    """Fewer (sequence, kv head) tasks than a multiple of the threads: each context is cut into ranges of whole
+    blocks, merged after; q is a strided view into a fused qkv projection, as the engine passes it."""
+    g = torch.Generator().manual_seed(sum(lens))
+    block_size, head_dim = 16, 64
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(lens), num_blocks), -1, dtype=torch.int32)
+    for row, n in enumerate(lens):
+        for i in range(-(-n // block_size)):
+            tables[row, i] = order.pop()
+    qkv = torch.randn(len(lens), num_heads + 2 * num_kv_heads, head_dim, generator=g) * 4  # peaked softmax
+    q, context_lens, scale = qkv[:, :num_heads], torch.tensor(lens, dtype=torch.int32), head_dim**-0.5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, context_lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all((got[row] == 0).all() for row, n in enumerate(lens) if n == 0)
 
 
 def test_fused_elementwise_kernels_equal_the_torch_layer_code():
