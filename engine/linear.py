@@ -8,6 +8,9 @@
   to int8 at decode, per 32 values of a row with their own scale, and multiplies in integers
   (kernels/cpu/q8_linear.cpp, llama.cpp's Q8_0 x Q8_0 kernel). bfloat16 activations are widened to float32 for the
   call.
+- `Q4Linear`: `gguf`, the GGUF's own Q4_1 blocks (0.625 bytes a weight, no second rounding), times activations
+  rounded to Q8_1 at decode (kernels/cpu/q4_linear.cpp, llama.cpp's Q4_1 x Q8_1 kernel); the file's Q8_0 tensors
+  become `Int8Linear`s with their own int8 values and scales, and int8 activations.
   (fbgemm's dynamic int8 linear is faster still but quantizes activations per tensor: SmolLM2's perplexity doubled,
   down_proj's outliers alone took top-1 agreement to 73%. aten's `_weight_int8pack_mm` with bf16 activations takes
   one scale per output channel only: top-1 agreement with float32 fell to 94.9%, under the 95% bar, where groups of
@@ -18,11 +21,17 @@
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 import torch
 
+from engine.gguf_blocks import GGUFBlocks, concat_rows, pack_q4_1, q8_0_fields
+from kernels import cpu_ops
 from kernels.cpu_ops import int8_linear, q8_linear
 
-QUANTIZATIONS = ("none", "int8", "w8a8", "auto")
+log = logging.getLogger("tokenweir.engine")
+QUANTIZATIONS = ("none", "int8", "w8a8", "gguf", "auto")
 
 
 class DenseLinear:
@@ -71,9 +80,20 @@ class Int8Linear:
     SMALL_M = 64  # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
 
     def __init__(self, weight: torch.Tensor, int8_activations: bool = False) -> None:
-        self.weight, self.scales = _grouped_int8(weight)
+        self._set(*_grouped_int8(weight), int8_activations)
+
+    def _set(self, weight: torch.Tensor, scales: torch.Tensor, int8_activations: bool) -> None:
+        self.weight, self.scales = weight, scales
         # The integer kernel takes groups of 32 only; a row that 32 does not divide has one scale for the whole row.
         self.int8_activations = int8_activations and self.scales.shape[1] * GROUP == self.weight.shape[1]
+
+    @classmethod
+    def from_q8_0(cls, blocks: GGUFBlocks) -> Int8Linear:
+        """A GGUF Q8_0 tensor as it is: its int8 values and (float16) scales, integer decode kernel."""
+        assert blocks.kind == "Q8_0"
+        linear = cls.__new__(cls)
+        linear._set(*q8_0_fields(blocks.data), int8_activations=True)
+        return linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype, x = x.dtype, x.float()
@@ -87,14 +107,60 @@ class Int8Linear:
         return self.weight.numel() + self.scales.numel() * 4
 
 
-Linear = DenseLinear | Int8Linear
+class Q4Linear:
+    """The GGUF's Q4_1 blocks, repacked for the kernel but not rounded again (kernels/cpu/q4_linear.cpp). Batches of
+    up to SMALL_M rows, prefill chunks included, run the Q4_1 x Q8_1 kernel (activations rounded, as llama.cpp does
+    for every batch); bigger ones dequantize the weight to float32 for that call and MKL multiplies float32
+    activations, as Int8Linear does. Other activation dtypes are widened."""
+
+    __slots__ = ("packed", "in_features")
+    # Unlike int8's, this kernel beat dequantize + MKL at every M measured, up to 512 rows (1.2-6x, 1 or 2 threads, on
+    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens; past it the measurements stop.
+    SMALL_M = 512
+
+    def __init__(self, blocks: GGUFBlocks) -> None:
+        assert blocks.kind == "Q4_1"
+        self.packed, self.in_features = pack_q4_1(blocks.data), blocks.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        if x.shape[0] <= self.SMALL_M:
+            return cpu_ops.q4_1_linear(x, self.packed).to(dtype)
+        return (x @ cpu_ops.q4_1_dequantize(self.packed, self.in_features).t()).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
 
 
-def make_linear(weight: torch.Tensor, dtype: torch.dtype, quantization: str) -> Linear:
-    """weight: [out, in] in torch's layout, already in `dtype` on its device."""
-    assert quantization in ("none", "int8", "w8a8"), f"resolve quantization {quantization!r} before building the model"
+Linear = DenseLinear | Int8Linear | Q4Linear
+
+
+def make_linear(
+    weight: torch.Tensor, dtype: torch.dtype, quantization: str, blocks: list[GGUFBlocks | None] | None = None
+) -> Linear:
+    """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (`gguf` only): the GGUF blocks
+    of the tensors `weight` was concatenated from, in order."""
+    assert quantization in QUANTIZATIONS[:-1], f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
         return DenseLinear(weight)
-    assert weight.device.type == "cpu", "int8 projections are CPU kernels"
-    assert dtype in (torch.float32, torch.bfloat16), f"int8 with {dtype} activations has no CPU kernel"
+    assert weight.device.type == "cpu", "int8 and gguf projections are CPU kernels"
+    assert dtype in (torch.float32, torch.bfloat16), f"{quantization} with {dtype} activations has no CPU kernel"
+    if quantization == "gguf":
+        return _gguf_linear(weight, blocks or [None])
     return Int8Linear(weight, int8_activations=quantization == "w8a8")
+
+
+def _gguf_linear(weight: torch.Tensor, blocks: list[GGUFBlocks | None]) -> Linear:
+    fused = concat_rows(blocks)
+    if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q4_1":
+        return Q4Linear(fused)
+    if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q8_0":
+        return Int8Linear.from_q8_0(fused)
+    _warn_dense("+".join(sorted({b.kind if b is not None else "other" for b in blocks})))
+    return DenseLinear(weight)
+
+
+@cache
+def _warn_dense(kinds: str) -> None:
+    log.warning("gguf: no kernel for %s blocks: those projections keep dense weights", kinds)

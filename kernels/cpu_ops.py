@@ -1,5 +1,5 @@
-"""The CPU kernels in kernels/cpu/ (int8 GEMMs, paged decode attention, KV cache write), compiled once per machine with
-the local C++ compiler.
+"""The CPU kernels in kernels/cpu/ (int8 and Q4_1 GEMMs, paged decode attention, KV cache write), compiled once per
+machine with the local C++ compiler.
 
 torch.utils.cpp_extension caches the build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so only the first
 load on a machine pays the ~1 minute compile (scripts/setup.sh does it); it is logged. `-march=native` picks AVX2/FMA
@@ -56,6 +56,19 @@ def q8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> to
     module = load()
     assert module is not None, "the CPU kernels could not be built on this machine"
     return module.q8_linear(x, weight, scales)
+
+
+def q4_1_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 rounded to Q8_1 per 32 values of a row, packed [N, K / 32 * 20] uint8 Q4_1 rows
+    (engine.gguf_blocks.pack_q4_1) -> [M, N] float32, by integer dot products (llama.cpp's Q4_1 x Q8_1 kernel)."""
+    module = load()
+    assert module is not None, "the CPU kernels could not be built on this machine"
+    return module.q4_1_linear(x, packed)
+
+
+def q4_1_dequantize(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """packed Q4_1 rows [N, K / 32 * 20] uint8 -> float32 [N, K]: d * q + m, the file's weights exactly."""
+    return load().q4_1_dequantize(packed, in_features)
 
 
 def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,252 @@
+// y[M, N] = x[M, K] . W[N, K]^T for W in the GGUF's own Q4_1 blocks, with the activations rounded to Q8_1 as
+// llama.cpp does at decode (quantize_row_q8_1 + ggml_vec_dot_q4_1_q8_1). A Q4_1 block of 32 weights is
+// w = d * q + m with q in 0..15; a Q8_1 block of 32 activations is x = dx * qx with qx in -127..127 and its sum
+// s = dx * sum(qx). So a block's dot is d * dx * sum(q * qx) + m * s: the first sum in integers, the m term a float
+// product per block.
+//
+// Why: a batch-1 decode step reads every weight once from memory; Q4_1 is 20 bytes per 32 weights, int8 + float32
+// scales 36. The activation scales stay float32 where llama.cpp rounds them to float16 (a closer result, same maths).
+//
+// Weight layout (pack_q4_1 in engine/gguf_blocks.py makes it from the GGUF's blocks), per row of B = K / 32 blocks:
+//   [B * 16 nibble bytes][B float16 d][B float16 m]
+// One row is one stream (the prefetcher follows one stream best), 20 bytes a block as in the file. The nibble bytes
+// of every full group of 8 blocks are interleaved by 4-byte words: word (t, j), at (t * 8 + j) * 4, holds bytes
+// 4t..4t+3 of block j (byte k holds the block's weights k and k + 16 in its low and high nibble, as in the GGUF).
+// Then 32-bit lane j of every vector belongs to block j: _mm256_maddubs_epi16 (nibbles unsigned, activations
+// signed) and one _mm256_madd_epi16 leave the eight blocks' integer dots in the eight lanes, which are scaled by eight
+// blocks' d * dx in one multiply, with no per-block broadcast or horizontal sum. The activations are quantized into
+// the same order. The trailing B % 8 blocks keep the GGUF's order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+static constexpr int64_t QK = 32;       // values per block
+static constexpr int64_t GROUP = 8;     // blocks per interleaved group
+static constexpr int64_t NIBBLES = 16;  // nibble bytes per block
+static constexpr int64_t ROW_BYTES_PER_BLOCK = 20;
+
+// Where activation k of a row goes in the quantized row: inside a full group, word w of block j (values 4w..4w+3)
+// sits in vector 2 * (w % 4) + w / 4 (low nibbles of word t = w, then high nibbles), lane j.
+static inline int64_t packed_word(int64_t block, int64_t word, int64_t full_groups) {
+  const int64_t g = block / GROUP, j = block % GROUP;
+  if (g >= full_groups) return block * 8 + word;
+  return g * GROUP * 8 + (2 * (word % 4) + word / 4) * 8 + j;
+}
+
+static inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t B = K / QK, full = B / GROUP;
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  int32_t* words = reinterpret_cast<int32_t*>(q);
+  for (int64_t b = 0; b < B; ++b, x += QK) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4);
+    const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
+    d[b] = m / 127.f;
+    s[b] = d[b] * static_cast<float>(sum);
+    // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
+    const __m256i p8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    alignas(32) int32_t block[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(block), p8);
+    for (int w = 0; w < 8; ++w) words[packed_word(b, w, full)] = block[w];
+  }
+}
+
+// One weight row against MT activation rows. Per full group: 4 loads of 32 nibble bytes give 8 vectors of 0..15
+// values; each row's 8 maddubs are summed in int16 (16 products of at most 15 * 127 per lane: < 2^15) and widened
+// once. Two accumulators per row (dots, m terms) keep two FMA chains in flight.
+template <int MT>
+static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                           float* y, int64_t N) {
+  const int64_t full = B / GROUP;
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(w + B * NIBBLES);
+  const uint16_t* wm = wd + B;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT], macc[MT];
+  float tail[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = macc[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+  for (int64_t g = 0; g < full; ++g) {
+    __m256i wv[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * GROUP * NIBBLES + 32 * t));
+      wv[2 * t] = _mm256_and_si256(v, low);
+      wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + g * GROUP)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + g * GROUP)));
+    for (int r = 0; r < MT; ++r) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * K + g * GROUP * QK);
+      __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(xv));
+      for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(xv + i)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(xd + r * B + g * GROUP));
+      acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+      macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + r * B + g * GROUP), macc[r]);
+    }
+  }
+  for (int64_t b = full * GROUP; b < B; ++b) {  // GGUF order: the low nibbles are values 0..15, the high 16..31
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * NIBBLES));
+    const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+    const float d = _cvtsh_ss(wd[b]), m = _cvtsh_ss(wm[b]);
+    for (int r = 0; r < MT; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * xd[r * B + b]), acc[r]);
+      tail[r] += m * xs[r * B + b];
+    }
+  }
+  for (int r = 0; r < MT; ++r) y[r * N] = hsum(_mm256_add_ps(acc[r], macc[r])) + tail[r];
+}
+
+// Weights are streamed from memory once per call: with one or two activation rows the kernel outruns the hardware
+// prefetcher, so it asks for the rows a few ahead itself (as q8_linear).
+static inline void prefetch_row(const uint8_t* w, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
+}
+#else
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t B = K / QK, full = B / GROUP;
+  int32_t* words = reinterpret_cast<int32_t*>(q);
+  for (int64_t b = 0; b < B; ++b, x += QK) {
+    float m = 0.f;
+    for (int i = 0; i < QK; ++i) m = std::max(m, std::fabs(x[i]));
+    const float id = m != 0.f ? 127.f / m : 0.f;
+    int8_t block[QK];
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) sum += block[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // to even
+    d[b] = m / 127.f;
+    s[b] = d[b] * static_cast<float>(sum);
+    for (int w = 0; w < 8; ++w) std::memcpy(words + packed_word(b, w, full), block + 4 * w, 4);
+  }
+}
+
+template <int MT>
+static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                           float* y, int64_t N) {
+  const int64_t full = B / GROUP;
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(w + B * NIBBLES);
+  const uint16_t* wm = wd + B;
+  for (int r = 0; r < MT; ++r) {
+    float sum = 0.f;
+    for (int64_t b = 0; b < B; ++b) {
+      int32_t dot = 0;
+      for (int64_t k = 0; k < NIBBLES; ++k) {  // byte k of the block holds values k and k + 16
+        const int64_t word = k / 4, byte = k % 4;
+        const uint8_t v = b < full * GROUP ? w[(b / GROUP) * GROUP * NIBBLES + (word * 8 + b % GROUP) * 4 + byte]
+                                           : w[b * NIBBLES + k];
+        dot += (v & 0x0F) * xq[r * K + packed_word(b, word, full) * 4 + byte];
+        dot += (v >> 4) * xq[r * K + packed_word(b, word + 4, full) * 4 + byte];
+      }
+      sum += half_to_float(wd[b]) * xd[r * B + b] * static_cast<float>(dot) + half_to_float(wm[b]) * xs[r * B + b];
+    }
+    y[r * N] = sum;
+  }
+}
+
+static inline void prefetch_row(const uint8_t*, int64_t) {}
+#endif
+
+static inline void rows_tile(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs,
+                             int64_t M, int64_t K, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) row_dot<4>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N);
+  switch (M - m) {
+    case 3: row_dot<3>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    case 2: row_dot<2>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    case 1: row_dot<1>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / QK;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
+  auto xc = x.contiguous();
+  // Plain buffers, not tensors: a decode step makes ~120 of these calls.
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * B), xs(M * B);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xc.data_ptr<float>() + m * K, K, xq.data() + m * K, xd.data() + m * B, xs.data() + m * B);
+  });
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = B * ROW_BYTES_PER_BLOCK;
+  constexpr int64_t AHEAD = 8;  // rows
+  const bool prefetch = M < 4;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
+      rows_tile(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
+    }
+  });
+  return y;
+}
+
+// Packed rows [N, K / 32 * 20] -> float32 [N, K]: d * q + m, for the prefill path's float32 GEMM and the tests.
+torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
+  const int64_t N = w.size(0), B = K / QK, full = B / GROUP;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
+  auto out = torch::empty({N, K}, w.options().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * B * ROW_BYTES_PER_BLOCK;
+      const uint16_t* wd = reinterpret_cast<const uint16_t*>(row + B * NIBBLES);
+      const uint16_t* wm = wd + B;
+      for (int64_t b = 0; b < B; ++b) {
+        const float d = half_to_float(wd[b]), m = half_to_float(wm[b]);
+        float* o = op + n * K + b * QK;
+        for (int64_t k = 0; k < NIBBLES; ++k) {
+          const uint8_t v = b < full * GROUP ? row[(b / GROUP) * GROUP * NIBBLES + ((k / 4) * 8 + b % GROUP) * 4 + k % 4]
+                                             : row[b * NIBBLES + k];
+          o[k] = d * static_cast<float>(v & 0x0F) + m;
+          o[k + 16] = d * static_cast<float>(v >> 4) + m;
+        }
+      }
+    }
+  });
+  return out;
+}
