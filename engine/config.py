@@ -51,7 +51,7 @@ class EngineConfig:
     model: str = ""  # a .gguf file or a HF directory; empty = the default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (probed), else float32
-    quantization: str = "auto"  # none | int8 | w8a8 | auto (int8 weights on CPU where the probe shows them faster)
+    quantization: str = "auto"  # none | int8 | w8a8 | gguf | auto (int8 weights on CPU where a probe shows them faster)
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized from kv_cache_memory
@@ -68,4 +68,4 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
-        assert self.quantization in ("none", "int8", "w8a8", "auto"), "quantization: none, int8, w8a8 or auto"
+        assert self.quantization in ("none", "int8", "w8a8", "gguf", "auto"), "quantization: none|int8|w8a8|gguf|auto"

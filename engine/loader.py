@@ -1,7 +1,8 @@
 """Load Llama-family weights from a GGUF file (dequantized) or a HF directory (config.json + safetensors).
 
 Both paths produce one canonical state dict in torch's [out, in] layout with HF's rotate-half RoPE convention, so the
-model code does not care where the weights came from.
+model code does not care where the weights came from. `load_gguf_blocks` also keeps a GGUF's quantized matrices as
+the file stores them, under the same names, for `--quantization gguf`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
 # llama.cpp's converter permutes q/k rows of these architectures for its interleaved RoPE; we undo it.
 PERMUTED_QK_ARCHS = {"llama", "mistral"}
@@ -127,6 +129,32 @@ def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.
     if progress:
         print(file=sys.stderr)
     return config, state
+
+
+def load_gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
+    """The matrices of a .gguf file stored in a block format a kernel takes (Q4_1, Q8_0), undequantized: canonical
+    name -> GGUFBlocks with rows in torch's [out, in] order (q/k rows unpermuted as `load_model_weights` does)."""
+    from gguf import GGUFReader
+
+    if not path.endswith(".gguf"):
+        raise ValueError(f"{path}: --quantization gguf takes a .gguf model; a HF directory has no GGUF blocks")
+    reader = GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    blocks: dict[str, GGUFBlocks] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in BLOCK_BYTES or len(tensor.shape) != 2:
+            continue
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
+        name = _canonical_gguf_name(tensor.name)
+        if arch in PERMUTED_QK_ARCHS and name.endswith("q_proj.weight"):
+            data = unpermute_qk(data, num_heads)  # whole rows move: the blocks inside a row stay as they are
+        elif arch in PERMUTED_QK_ARCHS and name.endswith("k_proj.weight"):
+            data = unpermute_qk(data, num_kv_heads)
+        blocks[name] = GGUFBlocks(kind, data.contiguous())
+    return blocks
 
 
 def _canonical_gguf_name(name: str) -> str:

@@ -1,7 +1,8 @@
 """Llama-family decoder over a paged KV cache.
 
 q/k/v and gate/up are fused into one projection each (fewer, wider GEMMs); every projection is an engine.linear
-callable, so the same layer runs dense float32 / bfloat16 or int8 weights.
+callable, so the same layer runs dense float32 / bfloat16, int8 weights or a GGUF's own blocks (`blocks`: canonical
+name -> GGUFBlocks, from engine.loader.load_gguf_blocks, for `gguf`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.gguf_blocks import GGUFBlocks
 from engine.linear import make_linear
 from kernels import cpu_ops
 
@@ -43,22 +45,28 @@ class DecoderLayer:
         weights: dict[str, torch.Tensor],
         attention: PagedAttention,
         quantization: str = "none",
+        blocks: dict[str, GGUFBlocks] | None = None,
     ) -> None:
         self.config = config
         dtype = weights["o_proj"].dtype
         self.attention = attention
         self.input_norm = weights["input_norm"]
         self.post_attention_norm = weights["post_attention_norm"]
-        qkv = [weights["q_proj.weight"], weights["k_proj.weight"], weights["v_proj.weight"]]
-        self.qkv_proj = make_linear(torch.cat(qkv), dtype, quantization)
+
+        def linear(*names: str):
+            return make_linear(
+                torch.cat([weights[n] for n in names]), dtype, quantization, [(blocks or {}).get(n) for n in names]
+            )
+
+        self.qkv_proj = linear("q_proj.weight", "k_proj.weight", "v_proj.weight")
         self.qkv_bias = (
             torch.cat([weights["q_proj.bias"], weights["k_proj.bias"], weights["v_proj.bias"]])
             if config.qkv_bias
             else None
         )
-        self.o_proj = make_linear(weights["o_proj"], dtype, quantization)
-        self.gate_up_proj = make_linear(torch.cat([weights["gate_proj"], weights["up_proj"]]), dtype, quantization)
-        self.down_proj = make_linear(weights["down_proj"], dtype, quantization)
+        self.o_proj = linear("o_proj")
+        self.gate_up_proj = linear("gate_proj", "up_proj")
+        self.down_proj = linear("down_proj")
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # The "cpu" attention backend brings C++ element-wise kernels too: one call each for the norms, RoPE and
@@ -116,21 +124,25 @@ class LlamaForCausalLM:
         attention_backend: str | None = None,
         max_positions: int | None = None,
         quantization: str = "none",
+        blocks: dict[str, GGUFBlocks] | None = None,
     ) -> None:
+        assert quantization != "gguf" or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
+        blocks = blocks or {}
         state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, attention_backend)
         self.attention_backend = attention.backend
         self.embed_tokens = state["embed_tokens"]
-        lm_head = state["embed_tokens"] if config.tie_word_embeddings else state["lm_head"]
-        self.lm_head = make_linear(lm_head, dtype, quantization)
+        lm_head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self.lm_head = make_linear(state[lm_head], dtype, quantization, [blocks.get(lm_head)])
         self.norm = state["norm"]
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            self.layers.append(DecoderLayer(config, weights, attention, quantization))
+            layer_blocks = {k.removeprefix(prefix): v for k, v in blocks.items() if k.startswith(prefix)}
+            self.layers.append(DecoderLayer(config, weights, attention, quantization, layer_blocks))
         cos, sin = rope_cos_sin(config.head_dim, config.rope_theta, max_positions or config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 

@@ -3,7 +3,8 @@
 `--dtype auto` on CPU: bfloat16 only where the CPU has native bf16 (avx512_bf16 / amx_bf16 in its flags) and a short
 probe matmul at the model's own shape confirms it beats float32; without native bf16 a bf16 GEMM is emulated and
 20-200x slower. `--quantization auto` on CPU: int8 weights where the int8 kernel for that dtype exists and its probe
-beats the dense one at decode's shape (one row). CUDA keeps bf16 and dense weights. Every decision is logged with the
+beats the dense one at decode's shape (one row); `gguf` (a .gguf model's own blocks) is only ever asked for. CUDA
+keeps bf16 and dense weights. Every decision is logged with the
 probe's numbers so a slow start is explainable.
 """
 
@@ -28,7 +29,7 @@ PROBE_SECONDS = 0.25
 @dataclass(frozen=True, slots=True)
 class Precision:
     dtype: torch.dtype
-    quantization: str  # none | int8 | w8a8
+    quantization: str  # none | int8 | w8a8 | gguf
     reason: str
 
 
@@ -75,7 +76,7 @@ def resolve(dtype: str, quantization: str, device: torch.device, shape: tuple[in
     that builds several engines probes once."""
     if device.type != "cpu":
         resolved = torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
-        assert quantization in ("none", "auto"), "int8 weights are CPU kernels: use --quantization none on CUDA"
+        assert quantization in ("none", "auto"), "int8 and gguf weights are CPU kernels: --quantization none on CUDA"
         return Precision(resolved, "none", f"{device.type}: {resolved}, dense weights")
     notes = []
     if dtype == "auto":
@@ -102,7 +103,7 @@ def resolve(dtype: str, quantization: str, device: torch.device, shape: tuple[in
             dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
             quant = "int8" if int8 * 1.1 < dense else "none"
             notes.append(f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)")
-    elif quantization in ("int8", "w8a8"):
-        assert resolved in (torch.float32, torch.bfloat16), f"int8 weights need float32 or bfloat16, not {resolved}"
+    elif quantization in ("int8", "w8a8", "gguf"):
+        assert resolved in (torch.float32, torch.bfloat16), f"{quantization} needs float32 or bfloat16, not {resolved}"
         notes.append(f"{quantization} (asked)")
     return Precision(resolved, quant, "; ".join(notes))

@@ -1,8 +1,9 @@
 """Faster formats keep the model's quality: on a fixed English text shipped with the tests (the GFDL 1.3, ~5k
 tokens), each weight format's perplexity is within 3% of float32's and its greedy top-1 prediction agrees with
 float32's at >= 95% of positions, int8 on both of its paths (prefill chunks on float32 activations, decode steps on
-activations rounded to int8 too). The float32 perplexity itself is checked against HF transformers' loss on the same
-GGUF weights, so the yardstick is not ours alone."""
+activations rounded to int8 too), and gguf (the file's own Q4_1 blocks, activations rounded to Q8_1, and its Q8_0
+lm_head on activations rounded to int8: llama.cpp's numerics). The float32 perplexity itself is checked against HF
+transformers' loss on the same GGUF weights, so the yardstick is not ours alone."""
 
 import math
 import os
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from engine.config import default_model_path
-from engine.linear import Int8Linear
-from engine.loader import load_model_weights
+from engine.linear import Int8Linear, Q4Linear
+from engine.loader import load_gguf_blocks, load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import perplexity, window_logprobs
 from engine.precision import has_native_bf16
@@ -92,6 +93,19 @@ def test_w8a8_decode_kernel_stays_within_3_percent_of_float32_perplexity(weights
     model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "w8a8")
     assert model.lm_head.int8_activations
     assert_close_to_float32(model, corpus, float32_result, "float32 int8, decode kernel (int8 activations)")
+
+
+def test_gguf_blocks_stay_within_3_percent_of_float32_perplexity(weights, corpus, float32_result, monkeypatch):
+    # float32's weights are the file's blocks dequantized, so only the activations' rounding differs. The lm_head's
+    # decode kernel is widened to every position, as in the w8a8 test; the Q4_1 kernel takes the 128-row chunks anyway.
+    monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
+    assert Q4Linear.SMALL_M >= 128
+    config, state = weights
+    model = LlamaForCausalLM(
+        config, state, torch.float32, "cpu", None, 2048, "gguf", load_gguf_blocks(default_model_path())
+    )
+    assert isinstance(model.layers[0].gate_up_proj, Q4Linear) and model.lm_head.int8_activations
+    assert_close_to_float32(model, corpus, float32_result, "gguf: Q4_1 x Q8_1, lm_head Q8_0 x Q8_0")
 
 
 def assert_close_to_float32(model, corpus, float32_result, label: str) -> None:
