@@ -114,7 +114,7 @@ class Q4Linear:
     activations, as Int8Linear does. Other activation dtypes are widened."""
 
     __slots__ = ("packed", "in_features")
-    # Unlike int8's, this kernel beat dequantize + MKL at every M measured, up to 512 rows (1.2-6x, 1 or 2 threads, on
+    # Unlike int8's, this kernel beat dequantize + MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
     # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens; past it the measurements stop.
     SMALL_M = 512
 

@@ -1,13 +1,14 @@
-"""Batch-1 decode speed of the in-process engine with int8 weights, before and after the integer decode kernel:
+"""Batch-1 decode speed of the in-process engine in each CPU weight format:
 
     .venv/bin/python loadtests/bench_decode_step.py                 # kernels, then decode steps
     .venv/bin/python loadtests/bench_decode_step.py --profile       # plus the top ops of a few profiled steps
 
-"weight-only" is the kernel that widens int8 weights to float32 against float32 activations
-(kernels/cpu/int8_linear.cpp); "q8" rounds the activations to int8 per 32 values and multiplies in integers
-(kernels/cpu/q8_linear.cpp). Both run in one process on one engine, switched per projection and alternated
-repetition by repetition, because the cores here are shared and their speed drifts: compare the ratios, not the
-absolute numbers of two runs.
+"int8" (weight-only) widens int8 weights to float32 against float32 activations (kernels/cpu/int8_linear.cpp);
+"w8a8" (q8) rounds the activations to int8 per 32 values and multiplies in integers (kernels/cpu/q8_linear.cpp);
+"gguf" multiplies the GGUF's own Q4_1 blocks by activations rounded to Q8_1 (kernels/cpu/q4_linear.cpp) and its Q8_0
+lm_head by the q8 kernel. int8 and w8a8 run on one engine, switched per projection; gguf on a second engine in the
+same process. All are alternated repetition by repetition, because the cores here are shared and their speed
+drifts: compare the ratios, not the absolute numbers of two runs.
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ import sys
 import time
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import linear as engine_linear  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.gguf_blocks import pack_q4_1  # noqa: E402
 from engine.linear import Int8Linear, _grouped_int8  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels.cpu_ops import int8_linear, q8_linear  # noqa: E402
+from kernels import cpu_ops  # noqa: E402
+from kernels.cpu_ops import int8_linear, q4_1_linear, q8_linear  # noqa: E402
 
-KERNELS = {"weight-only": int8_linear, "q8": q8_linear}
-SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (K, N): o_proj-like, down_proj, lm_head
+KERNELS = {"weight-only": int8_linear, "q8": q8_linear, "q4_1": q4_1_linear}
+SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (K, N): o_proj-like, down_proj, lm_head (Q8_0 in the GGUF)
+MODES = {"int8": "weight-only", "w8a8": "q8", "gguf": "q4_1 x q8_1"}  # --quantization -> its decode kernel
 
 
 def time_call(fn, budget_s: float) -> float:
@@ -50,23 +56,35 @@ def time_call(fn, budget_s: float) -> float:
 
 
 def bench_kernels(reps: int) -> None:
-    """Each shape with its weights hot (one copy, reused from the caches) and cold (copies cycled through, 96 MiB in
-    all, more than the L3: what a decode step does, whose 144 MiB of weights are read once each)."""
-    print("| K | N | M | weights | weight-only ms | q8 ms | speed-up |\n|---|---|---|---|---|---|---|")
+    """Each shape with its weights hot (one copy, reused from the caches) and cold (copies cycled through, 96 MiB of
+    int8 weights, more than the L3, and as many Q4_1 copies: what a decode step does, whose weights are read once
+    each)."""
+    print("| K | N | M | weights | weight-only ms | q8 ms | q4_1 ms | q8 speed-up | q4_1 speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
-        weight, scales = _grouped_int8(torch.randn(n, k) * 0.05)
-        copies = [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(-(-96 * 2**20 // (n * k)) - 1)]
+        w = torch.randn(n, k) * 0.05
+        weight, scales = _grouped_int8(w)
+        packed = pack_q4_1(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_1)))
+        count = -(-96 * 2**20 // (n * k))
+        copies = {
+            "weight-only": [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(count - 1)],
+            "q4_1": [(packed,)] + [(packed.clone(),) for _ in range(count - 1)],
+        }
+        copies["q8"] = copies["weight-only"]
         for m in (1, 16):
             x = torch.randn(m, k)
             for cache in ("hot", "cold"):
-                pool = copies[:1] if cache == "hot" else copies
                 times = {name: [] for name in KERNELS}
-                for _ in range(reps):  # alternated, so both see the same neighbours on the cores
+                for _ in range(reps):  # alternated, so all see the same neighbours on the cores
                     for name, kernel in KERNELS.items():
-                        weights = itertools.cycle(pool)
+                        weights = itertools.cycle(copies[name][:1] if cache == "hot" else copies[name])
                         times[name].append(time_call(lambda k=kernel, x=x, ws=weights: k(x, *next(ws)), 0.3))
-                old, new = min(times["weight-only"]) * 1e3, min(times["q8"]) * 1e3
-                print(f"| {k} | {n} | {m} | {cache} | {old:.3f} | {new:.3f} | {old / new:.2f}x |", flush=True)
+                old, q8, q4 = (min(times[name]) * 1e3 for name in KERNELS)
+                print(
+                    f"| {k} | {n} | {m} | {cache} | {old:.3f} | {q8:.3f} | {q4:.3f} | {old / q8:.2f}x | "
+                    f"{old / q4:.2f}x |",
+                    flush=True,
+                )
 
 
 def projections(engine: LLMEngine) -> list[Int8Linear]:
@@ -89,28 +107,30 @@ def decode_steps(engine: LLMEngine, prompt: list[int], tokens: int) -> list[floa
     return steps
 
 
-def bench_decode(engine: LLMEngine, reps: int, prompt_len: int, tokens: int) -> None:
+def bench_decode(engines: dict[str, LLMEngine], reps: int, prompt_len: int, tokens: int) -> None:
+    """engines: --quantization -> its engine (int8 and w8a8 may share one: its projections are switched)."""
     prompt = list(range(1000, 1000 + prompt_len))
-    layers = projections(engine)
-    per_kernel: dict[str, list[float]] = {name: [] for name in KERNELS}
+    per_mode: dict[str, list[float]] = {mode: [] for mode in engines}
     print(f"\nbatch-1 decode, prompt {prompt_len} tokens, {tokens} new tokens per repetition, median step of each")
-    print("| repetition | kernel | ms/step | tok/s |\n|---|---|---|---|")
-    decode_steps(engine, prompt, 8)  # warm-up
+    print("| repetition | mode | kernel | ms/step | tok/s |\n|---|---|---|---|---|")
+    for engine in set(engines.values()):
+        decode_steps(engine, prompt, 8)  # warm-up
     for rep in range(reps):
-        order = list(KERNELS) if rep % 2 == 0 else list(reversed(KERNELS))
-        for name in order:
-            for p in layers:
-                p.int8_activations = name == "q8"
+        order = list(engines)[rep % len(engines) :] + list(engines)[: rep % len(engines)]  # rotated
+        for mode in order:
+            engine = engines[mode]
+            if mode in ("int8", "w8a8"):
+                for p in projections(engine):
+                    p.int8_activations = mode == "w8a8"
             ms = statistics.median(decode_steps(engine, prompt, tokens)) * 1e3
-            per_kernel[name].append(ms)
-            print(f"| {rep + 1} | {name} | {ms:.2f} | {1e3 / ms:.1f} |", flush=True)
-    old, new = statistics.median(per_kernel["weight-only"]), statistics.median(per_kernel["q8"])
-    print("\n| kernel | median ms/step | tok/s |\n|---|---|---|")
-    for name, ms in (("weight-only", old), ("q8", new)):
-        print(f"| {name} | {ms:.2f} | {1e3 / ms:.1f} |")
-    print(f"q8 / weight-only speed-up: {old / new:.2f}x")
-    mib = engine.model.weight_bytes_per_step() / 2**20
-    print(f"weights read per step: {mib:.0f} MiB")
+            per_mode[mode].append(ms)
+            print(f"| {rep + 1} | {mode} | {MODES[mode]} | {ms:.2f} | {1e3 / ms:.1f} |", flush=True)
+    first = statistics.median(per_mode[next(iter(engines))])
+    print(f"\n| mode | kernel | median ms/step | tok/s | speed-up over {next(iter(engines))} | weights MiB/step |")
+    print("|---|---|---|---|---|---|")
+    for mode, times in per_mode.items():
+        ms, mib = statistics.median(times), engines[mode].model.weight_bytes_per_step() / 2**20
+        print(f"| {mode} | {MODES[mode]} | {ms:.2f} | {1e3 / ms:.1f} | {first / ms:.2f}x | {mib:.0f} |")
 
 
 class Labelled:
@@ -135,13 +155,16 @@ def labelled(fn, label: str):
     return call
 
 
-def profile_steps(engine: LLMEngine, prompt_len: int, steps: int) -> None:
+def profile_steps(engine: LLMEngine, mode: str, prompt_len: int, steps: int) -> None:
+    """Decode steps of `mode`: w8a8 on the int8 engine, or gguf."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    for p in projections(engine):
-        p.int8_activations = True
+    if mode == "w8a8":
+        for p in projections(engine):
+            p.int8_activations = True
     model = engine.model
     engine_linear.q8_linear = labelled(engine_linear.q8_linear, "q8_linear")  # what Int8Linear calls
+    cpu_ops.q4_1_linear = labelled(cpu_ops.q4_1_linear, "q4_1_linear")  # what Q4Linear calls
     model.lm_head = labelled(model.lm_head, "lm_head (q8_linear)")
     for attention in {id(layer.attention): layer.attention for layer in model.layers}.values():  # shared
         attention.ops = Labelled(attention.ops, "attention")
@@ -155,7 +178,7 @@ def profile_steps(engine: LLMEngine, prompt_len: int, steps: int) -> None:
         while engine.has_unfinished_requests():
             with record_function("engine.step"):
                 engine.step()
-    print(f"\nprofile of {steps} batch-1 decode steps (q8); C++ kernels labelled by their Python name")
+    print(f"\nprofile of {steps} batch-1 decode steps ({mode}); C++ kernels labelled by their Python name")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
 
@@ -165,15 +188,24 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per repetition")
     parser.add_argument("--skip-kernels", action="store_true", help="only the decode steps")
-    parser.add_argument("--profile", action="store_true", help="also profile q8 decode steps")
+    parser.add_argument("--profile", action="store_true", help="also profile decode steps (gguf, else w8a8)")
+    parser.add_argument("--modes", default="int8,w8a8,gguf", help="--quantization modes to alternate, comma-separated")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    assert modes and set(modes) <= set(MODES), f"--modes: some of {', '.join(MODES)}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     if not args.skip_kernels:
         bench_kernels(max(2, args.reps // 2))
-    engine = LLMEngine(EngineConfig(dtype="float32", quantization="int8", max_model_len=2048, num_kv_blocks=256))
-    bench_decode(engine, args.reps, args.prompt, args.tokens)
-    if args.profile:
-        profile_steps(engine, args.prompt, 32)
+    config = {"dtype": "float32", "max_model_len": 2048, "num_kv_blocks": 256}
+    int8 = LLMEngine(EngineConfig(quantization="int8", **config)) if {"int8", "w8a8"} & set(modes) else None
+    engines = {
+        mode: int8 if mode in ("int8", "w8a8") else LLMEngine(EngineConfig(quantization=mode, **config))
+        for mode in modes
+    }
+    bench_decode(engines, args.reps, args.prompt, args.tokens)
+    if args.profile and {"gguf", "w8a8"} & set(modes):
+        mode = "gguf" if "gguf" in modes else "w8a8"
+        profile_steps(engines[mode], mode, args.prompt, 32)
 
 
 if __name__ == "__main__":
