@@ -131,6 +131,17 @@ def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.
     return config, state
 
 
+def gguf_projection_kinds(path: str) -> set[str]:
+    """The storage types of a model's per-layer matrices: {"Q4_1"} for the default model; empty for a HF directory.
+    Reads the header only (the file is memory-mapped)."""
+    if not path.endswith(".gguf"):
+        return set()
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
 def load_gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
     """The matrices of a .gguf file stored in a block format a kernel takes (Q4_1, Q8_0), undequantized: canonical
     name -> GGUFBlocks with rows in torch's [out, in] order (q/k rows unpermuted as `load_model_weights` does)."""

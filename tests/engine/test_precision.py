@@ -4,12 +4,14 @@ engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model
 import pytest
 import torch
 
+from engine.config import default_model_path
 from engine.llm import LLM
-from engine.loader import load_model_weights
+from engine.loader import gguf_projection_kinds, load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import window_logprobs
 from engine.precision import cpu_flags, has_native_bf16, resolve
 from engine.sampling_params import SamplingParams
+from kernels import cpu_ops
 
 SHAPE = (576, 3072)
 
@@ -26,6 +28,20 @@ def test_auto_quantization_reports_the_probe_it_decided_on():
     choice = resolve("float32", "auto", torch.device("cpu"), SHAPE)
     assert choice.quantization in ("none", "int8")
     assert "probe 1x576x3072" in choice.reason and "int8" in choice.reason
+
+
+def test_auto_runs_a_q4_1_gguf_on_its_own_blocks_and_others_on_the_probe():
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ compiler: auto keeps dense weights")
+    choice = resolve("float32", "auto", torch.device("cpu"), SHAPE, frozenset({"Q4_1"}))
+    assert choice.quantization == "gguf" and "Q4_1" in choice.reason
+    for kinds in (frozenset({"F16"}), frozenset({"Q4_1", "Q6_K"}), frozenset()):
+        assert resolve("float32", "auto", torch.device("cpu"), SHAPE, kinds).quantization in ("none", "int8")
+
+
+def test_the_default_model_is_a_q4_1_gguf_so_auto_serves_it_as_gguf():
+    assert gguf_projection_kinds(default_model_path()) == {"Q4_1"}
+    assert gguf_projection_kinds("/some/hf/directory") == set()
 
 
 def test_explicit_choices_are_kept():
