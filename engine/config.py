@@ -68,4 +68,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
-        assert self.quantization in ("none", "int8", "w8a8", "gguf", "auto"), "quantization: none|int8|w8a8|gguf|auto"
+        modes = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")
+        assert self.quantization in modes, f"quantization: one of {', '.join(modes)}"

@@ -88,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         "-q",
-        choices=("none", "int8", "w8a8", "gguf", "auto"),
+        choices=("none", "int8", "w8a8", "gguf", "gguf-a16", "auto"),
         default=d.quantization,
         help="weight format; int8 = int8 weights, one scale per 32 (CPU); w8a8 = int8 weights and, at decode, "
         "activations rounded to int8 per 32 as llama.cpp's Q8_0 (faster, less exact); gguf = a .gguf model's own "
-        "Q4_1 / Q8_0 blocks, activations rounded to Q8_1 / Q8_0 at decode as llama.cpp (CPU); auto = int8 where a "
+        "Q4_1 / Q8_0 blocks, activations rounded to Q8_1 / Q8_0 as llama.cpp (CPU); gguf-a16 = the same blocks, "
+        "activations kept to ~15 bits in two int8 planes (float32's answers, nearly gguf's speed); auto = int8 where a "
         "start-up probe shows it faster than dense weights on this CPU",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's generator for unseeded requests")

@@ -8,13 +8,15 @@
   to int8 at decode, per 32 values of a row with their own scale, and multiplies in integers
   (kernels/cpu/q8_linear.cpp, llama.cpp's Q8_0 x Q8_0 kernel). bfloat16 activations are widened to float32 for the
   call.
-- `Q4Linear`: `gguf`, the GGUF's own Q4_1 blocks (0.625 bytes a weight, no second rounding), times activations
-  rounded to Q8_1 at decode (kernels/cpu/q4_linear.cpp, llama.cpp's Q4_1 x Q8_1 kernel); the file's Q8_0 tensors
-  become `Int8Linear`s with their own int8 values and scales, and int8 activations.
   (fbgemm's dynamic int8 linear is faster still but quantizes activations per tensor: SmolLM2's perplexity doubled,
   down_proj's outliers alone took top-1 agreement to 73%. aten's `_weight_int8pack_mm` with bf16 activations takes
   one scale per output channel only: top-1 agreement with float32 fell to 94.9%, under the 95% bar, where groups of
   32 keep 97.4%.)
+- `Q4Linear`: `gguf`, the GGUF's own Q4_1 blocks (0.625 bytes a weight, no second rounding), times activations
+  rounded to Q8_1 (kernels/cpu/q4_linear.cpp, llama.cpp's Q4_1 x Q8_1 kernel); the file's Q8_0 tensors become
+  `Int8Linear`s with their own int8 values and scales, and int8 activations. `gguf-a16`: the same weights, but the
+  activations' rounding error kept in a second int8 plane (about 15 bits in all): float32's answers at nearly the
+  same speed, since a batch-1 step is bound by reading the weights.
 
 `make_linear` picks the class from the model's compute dtype and the quantization mode.
 """
@@ -31,7 +33,8 @@ from kernels import cpu_ops
 from kernels.cpu_ops import int8_linear, q8_linear
 
 log = logging.getLogger("tokenweir.engine")
-QUANTIZATIONS = ("none", "int8", "w8a8", "gguf", "auto")
+QUANTIZATIONS = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")
+GGUF_MODES = ("gguf", "gguf-a16")  # the modes that take a .gguf file's own blocks
 
 
 class DenseLinear:
@@ -76,30 +79,32 @@ class Int8Linear:
     MKL does the GEMM on float32 activations. Activations of another dtype (bfloat16) are widened and the result
     narrowed back."""
 
-    __slots__ = ("weight", "scales", "int8_activations")
+    __slots__ = ("weight", "scales", "int8_activations", "planes")
     SMALL_M = 64  # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
 
     def __init__(self, weight: torch.Tensor, int8_activations: bool = False) -> None:
         self._set(*_grouped_int8(weight), int8_activations)
 
-    def _set(self, weight: torch.Tensor, scales: torch.Tensor, int8_activations: bool) -> None:
-        self.weight, self.scales = weight, scales
+    def _set(self, weight: torch.Tensor, scales: torch.Tensor, int8_activations: bool, planes: int = 1) -> None:
+        self.weight, self.scales, self.planes = weight, scales, planes
         # The integer kernel takes groups of 32 only; a row that 32 does not divide has one scale for the whole row.
         self.int8_activations = int8_activations and self.scales.shape[1] * GROUP == self.weight.shape[1]
 
     @classmethod
-    def from_q8_0(cls, blocks: GGUFBlocks) -> Int8Linear:
-        """A GGUF Q8_0 tensor as it is: its int8 values and (float16) scales, integer decode kernel."""
+    def from_q8_0(cls, blocks: GGUFBlocks, planes: int = 1) -> Int8Linear:
+        """A GGUF Q8_0 tensor as it is: its int8 values and (float16) scales, integer decode kernel with the
+        activations in `planes` int8 planes."""
         assert blocks.kind == "Q8_0"
         linear = cls.__new__(cls)
-        linear._set(*q8_0_fields(blocks.data), int8_activations=True)
+        linear._set(*q8_0_fields(blocks.data), int8_activations=True, planes=planes)
         return linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype, x = x.dtype, x.float()
         if x.shape[0] <= self.SMALL_M:
-            kernel = q8_linear if self.int8_activations else int8_linear
-            return kernel(x, self.weight, self.scales).to(dtype)
+            if self.int8_activations:
+                return q8_linear(x, self.weight, self.scales, self.planes).to(dtype)
+            return int8_linear(x, self.weight, self.scales).to(dtype)
         return (x @ _dequantize(self.weight, self.scales).t()).to(dtype)
 
     @property
@@ -111,21 +116,23 @@ class Q4Linear:
     """The GGUF's Q4_1 blocks, repacked for the kernel but not rounded again (kernels/cpu/q4_linear.cpp). Batches of
     up to SMALL_M rows, prefill chunks included, run the Q4_1 x Q8_1 kernel (activations rounded, as llama.cpp does
     for every batch); bigger ones dequantize the weight to float32 for that call and MKL multiplies float32
-    activations, as Int8Linear does. Other activation dtypes are widened."""
+    activations, as Int8Linear does. Other activation dtypes are widened. planes=2 (`gguf-a16`): the activations'
+    rounding error in a second int8 plane."""
 
-    __slots__ = ("packed", "in_features")
+    __slots__ = ("packed", "in_features", "planes")
     # Unlike int8's, this kernel beat dequantize + MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
-    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens; past it the measurements stop.
-    SMALL_M = 512
+    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens; past it the measurements stop. Two
+    # planes cost two maddubs a weight vector: MKL wins from about 256 rows.
+    SMALL_M = {1: 512, 2: 128}
 
-    def __init__(self, blocks: GGUFBlocks) -> None:
-        assert blocks.kind == "Q4_1"
-        self.packed, self.in_features = pack_q4_1(blocks.data), blocks.in_features
+    def __init__(self, blocks: GGUFBlocks, planes: int = 1) -> None:
+        assert blocks.kind == "Q4_1" and planes in (1, 2)
+        self.packed, self.in_features, self.planes = pack_q4_1(blocks.data), blocks.in_features, planes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype, x = x.dtype, x.float()
-        if x.shape[0] <= self.SMALL_M:
-            return cpu_ops.q4_1_linear(x, self.packed).to(dtype)
+        if x.shape[0] <= self.SMALL_M[self.planes]:
+            return cpu_ops.q4_1_linear(x, self.packed, self.planes).to(dtype)
         return (x @ cpu_ops.q4_1_dequantize(self.packed, self.in_features).t()).to(dtype)
 
     @property
@@ -139,24 +146,24 @@ Linear = DenseLinear | Int8Linear | Q4Linear
 def make_linear(
     weight: torch.Tensor, dtype: torch.dtype, quantization: str, blocks: list[GGUFBlocks | None] | None = None
 ) -> Linear:
-    """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (`gguf` only): the GGUF blocks
-    of the tensors `weight` was concatenated from, in order."""
+    """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (GGUF_MODES only): the GGUF
+    blocks of the tensors `weight` was concatenated from, in order."""
     assert quantization in QUANTIZATIONS[:-1], f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
         return DenseLinear(weight)
     assert weight.device.type == "cpu", "int8 and gguf projections are CPU kernels"
     assert dtype in (torch.float32, torch.bfloat16), f"{quantization} with {dtype} activations has no CPU kernel"
-    if quantization == "gguf":
-        return _gguf_linear(weight, blocks or [None])
+    if quantization in GGUF_MODES:
+        return _gguf_linear(weight, blocks or [None], planes=2 if quantization == "gguf-a16" else 1)
     return Int8Linear(weight, int8_activations=quantization == "w8a8")
 
 
-def _gguf_linear(weight: torch.Tensor, blocks: list[GGUFBlocks | None]) -> Linear:
+def _gguf_linear(weight: torch.Tensor, blocks: list[GGUFBlocks | None], planes: int) -> Linear:
     fused = concat_rows(blocks)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q4_1":
-        return Q4Linear(fused)
+        return Q4Linear(fused, planes)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q8_0":
-        return Int8Linear.from_q8_0(fused)
+        return Int8Linear.from_q8_0(fused, planes)
     _warn_dense("+".join(sorted({b.kind if b is not None else "other" for b in blocks})))
     return DenseLinear(weight)
 

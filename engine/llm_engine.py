@@ -16,6 +16,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_path
+from engine.linear import GGUF_MODES
 from engine.loader import load_gguf_blocks, load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner, kv_block_bytes
@@ -61,8 +62,10 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         device = _resolve_device(config)
-        if config.quantization == "gguf" and not path.endswith(".gguf"):
-            raise ValueError(f"{path}: --quantization gguf takes a .gguf model; a HF directory has no GGUF blocks")
+        if config.quantization in GGUF_MODES and not path.endswith(".gguf"):
+            raise ValueError(
+                f"{path}: --quantization {config.quantization} takes a .gguf model; a HF directory has no GGUF blocks"
+            )
         model_config, state = load_model_weights(path, progress=progress)
         self.model_config = model_config
         self.model_name = config.served_model_name or model_config.name
@@ -79,7 +82,7 @@ class LLMEngine:
             config.attention_backend,
             model_config.max_position_embeddings,
             self.precision.quantization,
-            load_gguf_blocks(path) if self.precision.quantization == "gguf" else None,
+            load_gguf_blocks(path) if self.precision.quantization in GGUF_MODES else None,
         )
         del state
         # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).

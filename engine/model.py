@@ -2,7 +2,7 @@
 
 q/k/v and gate/up are fused into one projection each (fewer, wider GEMMs); every projection is an engine.linear
 callable, so the same layer runs dense float32 / bfloat16, int8 weights or a GGUF's own blocks (`blocks`: canonical
-name -> GGUFBlocks, from engine.loader.load_gguf_blocks, for `gguf`).
+name -> GGUFBlocks, from engine.loader.load_gguf_blocks, for `gguf` and `gguf-a16`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
 from engine.gguf_blocks import GGUFBlocks
-from engine.linear import make_linear
+from engine.linear import GGUF_MODES, make_linear
 from kernels import cpu_ops
 
 
@@ -126,7 +126,7 @@ class LlamaForCausalLM:
         quantization: str = "none",
         blocks: dict[str, GGUFBlocks] | None = None,
     ) -> None:
-        assert quantization != "gguf" or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
+        assert quantization not in GGUF_MODES or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
         blocks = blocks or {}

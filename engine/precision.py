@@ -115,7 +115,7 @@ def resolve(
             dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
             quant = "int8" if int8 * 1.1 < dense else "none"
             notes.append(f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)")
-    elif quantization in ("int8", "w8a8", "gguf"):
+    elif quantization in ("int8", "w8a8", "gguf", "gguf-a16"):
         assert resolved in (torch.float32, torch.bfloat16), f"{quantization} needs float32 or bfloat16, not {resolved}"
         notes.append(f"{quantization} (asked)")
     return Precision(resolved, quant, "; ".join(notes))

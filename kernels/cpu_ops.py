@@ -50,20 +50,22 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return module.int8_linear(x, weight, scales)
 
 
-def q8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, planes: int = 1) -> torch.Tensor:
     """x [M, K] float32 rounded to int8 per 32 values of a row, weight [N, K] int8, scales [N, K / 32] float32 ->
-    [M, N] float32, by integer dot products (llama.cpp's Q8_0 x Q8_0 decode kernel)."""
+    [M, N] float32, by integer dot products (llama.cpp's Q8_0 x Q8_0 decode kernel). planes=2: the activations'
+    rounding error in a second int8 plane, about 15 bits in all."""
     module = load()
     assert module is not None, "the CPU kernels could not be built on this machine"
-    return module.q8_linear(x, weight, scales)
+    return module.q8_linear(x, weight, scales, planes)
 
 
-def q4_1_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, planes: int = 1) -> torch.Tensor:
     """x [M, K] float32 rounded to Q8_1 per 32 values of a row, packed [N, K / 32 * 20] uint8 Q4_1 rows
-    (engine.gguf_blocks.pack_q4_1) -> [M, N] float32, by integer dot products (llama.cpp's Q4_1 x Q8_1 kernel)."""
+    (engine.gguf_blocks.pack_q4_1) -> [M, N] float32, by integer dot products (llama.cpp's Q4_1 x Q8_1 kernel).
+    planes=2: the activations' rounding error in a second int8 plane, about 15 bits in all."""
     module = load()
     assert module is not None, "the CPU kernels could not be built on this machine"
-    return module.q4_1_linear(x, packed)
+    return module.q4_1_linear(x, packed, planes)
 
 
 def q4_1_dequantize(packed: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -6,9 +6,10 @@
 "int8" (weight-only) widens int8 weights to float32 against float32 activations (kernels/cpu/int8_linear.cpp);
 "w8a8" (q8) rounds the activations to int8 per 32 values and multiplies in integers (kernels/cpu/q8_linear.cpp);
 "gguf" multiplies the GGUF's own Q4_1 blocks by activations rounded to Q8_1 (kernels/cpu/q4_linear.cpp) and its Q8_0
-lm_head by the q8 kernel. int8 and w8a8 run on one engine, switched per projection; gguf on a second engine in the
-same process. All are alternated repetition by repetition, because the cores here are shared and their speed
-drifts: compare the ratios, not the absolute numbers of two runs.
+lm_head by the q8 kernel; "gguf-a16" the same blocks with the activations in two int8 planes (~15 bits). int8 and
+w8a8 run on one engine, switched per projection; each gguf mode on an engine of its own in the same process. All
+are alternated repetition by repetition, because the cores here are shared and their speed drifts: compare the
+ratios, not the absolute numbers of two runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from kernels.cpu_ops import int8_linear, q4_1_linear, q8_linear  # noqa: E402
 
 KERNELS = {"weight-only": int8_linear, "q8": q8_linear, "q4_1": q4_1_linear}
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (K, N): o_proj-like, down_proj, lm_head (Q8_0 in the GGUF)
-MODES = {"int8": "weight-only", "w8a8": "q8", "gguf": "q4_1 x q8_1"}  # --quantization -> its decode kernel
+# --quantization -> its decode kernel
+MODES = {"int8": "weight-only", "w8a8": "q8", "gguf": "q4_1 x q8_1", "gguf-a16": "q4_1 x 2 int8 planes"}
 
 
 def time_call(fn, budget_s: float) -> float:
@@ -189,7 +191,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per repetition")
     parser.add_argument("--skip-kernels", action="store_true", help="only the decode steps")
     parser.add_argument("--profile", action="store_true", help="also profile decode steps (gguf, else w8a8)")
-    parser.add_argument("--modes", default="int8,w8a8,gguf", help="--quantization modes to alternate, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES), help="--quantization modes to alternate, comma-separated")
     args = parser.parse_args()
     modes = args.modes.split(",")
     assert modes and set(modes) <= set(MODES), f"--modes: some of {', '.join(MODES)}"

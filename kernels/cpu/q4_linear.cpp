@@ -7,6 +7,10 @@
 // Why: a batch-1 decode step reads every weight once from memory; Q4_1 is 20 bytes per 32 weights, int8 + float32
 // scales 36. The activation scales stay float32 where llama.cpp rounds them to float16 (a closer result, same maths).
 //
+// planes = 2 keeps the activations' rounding error too: a second int8 plane rounds x - dx * q1 in steps of dx / 254,
+// so x ~ (dx / 254) * (254 * q1 + q2), about 15 bits where Q8_1 has 8, and s is the block's exact float sum. Each
+// weight vector then takes two maddubs; a decode step, bound by reading the weights, hardly notices.
+//
 // Weight layout (pack_q4_1 in engine/gguf_blocks.py makes it from the GGUF's blocks), per row of B = K / 32 blocks:
 //   [B * 16 nibble bytes][B float16 d][B float16 m]
 // One row is one stream (the prefetcher follows one stream best), 20 bytes a block as in the file. The nibble bytes
@@ -56,6 +60,23 @@ static inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// The 32 int32 values of four vectors -> int8 words in the row's order (the packs work per 128-bit lane: the
+// permute puts the 32 bytes back in order).
+static inline void store_block(const __m256i* i32, int64_t b, int64_t full, int32_t* words) {
+  const __m256i p8 = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  alignas(32) int32_t block[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(block), p8);
+  for (int w = 0; w < 8; ++w) words[packed_word(b, w, full)] = block[w];
+}
+
+static inline __m256i round_to_i32(__m256 v) {
+  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Rows of P planes of K int8 each; d: the unit of a block's integer (254 * q1 + q2 with two planes), s: its sum.
+template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t B = K / QK, full = B / GROUP;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -71,34 +92,45 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float m = _mm_cvtss_f32(m4);
+    const float dx = m / 127.f;
     const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
     __m256i i32[4];
-    for (int i = 0; i < 4; ++i)
-      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
-    d[b] = m / 127.f;
-    s[b] = d[b] * static_cast<float>(sum);
-    // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
-    const __m256i p8 = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])),
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    alignas(32) int32_t block[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(block), p8);
-    for (int w = 0; w < 8; ++w) words[packed_word(b, w, full)] = block[w];
+    for (int i = 0; i < 4; ++i) i32[i] = round_to_i32(_mm256_mul_ps(v[i], id));
+    store_block(i32, b, full, words);
+    if constexpr (P == 1) {
+      const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+      const int32_t sum = hsum_i32(sums);
+      d[b] = dx;
+      s[b] = dx * static_cast<float>(sum);
+    } else {
+      // |x - dx * q1| <= dx / 2, so the second plane stays within -127..127.
+      const __m256 dv = _mm256_set1_ps(dx), id2 = _mm256_set1_ps(m != 0.f ? 254.f / dx : 0.f);
+      __m256i j32[4];
+      for (int i = 0; i < 4; ++i)
+        j32[i] = round_to_i32(_mm256_mul_ps(_mm256_fnmadd_ps(_mm256_cvtepi32_ps(i32[i]), dv, v[i]), id2));
+      store_block(j32, b, full, words + K / 4);
+      d[b] = dx / 254.f;
+      s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    }
   }
 }
 
 // One weight row against MT activation rows. Per full group: 4 loads of 32 nibble bytes give 8 vectors of 0..15
 // values; each row's 8 maddubs are summed in int16 (16 products of at most 15 * 127 per lane: < 2^15) and widened
 // once. Two accumulators per row (dots, m terms) keep two FMA chains in flight.
-template <int MT>
+template <int P>
+static inline __m256i block_dots(__m256i s16, __m256i t16) {  // one plane's int16 sums, or two planes'
+  if constexpr (P == 1) return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(254)), _mm256_madd_epi16(t16, _mm256_set1_epi16(1)));
+}
+
+template <int MT, int P>
 static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs, int64_t K,
                            float* y, int64_t N) {
   const int64_t full = B / GROUP;
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w + B * NIBBLES);
   const uint16_t* wm = wd + B;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT], macc[MT];
   float tail[MT];
   for (int r = 0; r < MT; ++r) acc[r] = macc[r] = _mm256_setzero_ps(), tail[r] = 0.f;
@@ -112,10 +144,17 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + g * GROUP)));
     const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + g * GROUP)));
     for (int r = 0; r < MT; ++r) {
-      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * K + g * GROUP * QK);
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * P * K + g * GROUP * QK);
       __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(xv));
       for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(xv + i)));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256i t16 = s16;
+      if constexpr (P == 2) {
+        const __m256i* xv2 = xv + K / 32;
+        t16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(xv2));
+        for (int i = 1; i < 8; ++i)
+          t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(xv2 + i)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(block_dots<P>(s16, t16));
       const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(xd + r * B + g * GROUP));
       acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
       macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + r * B + g * GROUP), macc[r]);
@@ -126,8 +165,11 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
     const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
     const float d = _cvtsh_ss(wd[b]), m = _cvtsh_ss(wm[b]);
     for (int r = 0; r < MT; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * QK));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+      const int8_t* xr = xq + r * P * K + b * QK;
+      const __m256i s16 = _mm256_maddubs_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+      const __m256i t16 =
+          P == 2 ? _mm256_maddubs_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + K))) : s16;
+      const __m256 dot = _mm256_cvtepi32_ps(block_dots<P>(s16, t16));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * xd[r * B + b]), acc[r]);
       tail[r] += m * xs[r * B + b];
     }
@@ -141,23 +183,31 @@ static inline void prefetch_row(const uint8_t* w, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
 }
 #else
+template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t B = K / QK, full = B / GROUP;
   int32_t* words = reinterpret_cast<int32_t*>(q);
   for (int64_t b = 0; b < B; ++b, x += QK) {
     float m = 0.f;
     for (int i = 0; i < QK; ++i) m = std::max(m, std::fabs(x[i]));
-    const float id = m != 0.f ? 127.f / m : 0.f;
-    int8_t block[QK];
+    const float dx = m / 127.f, id = m != 0.f ? 127.f / m : 0.f, id2 = m != 0.f ? 254.f / dx : 0.f;
+    int8_t block[QK], block2[QK];
     int32_t sum = 0;
-    for (int i = 0; i < QK; ++i) sum += block[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // to even
-    d[b] = m / 127.f;
-    s[b] = d[b] * static_cast<float>(sum);
+    float exact = 0.f;
+    for (int i = 0; i < QK; ++i) {
+      sum += block[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // default mode: to even
+      block2[i] = static_cast<int8_t>(std::nearbyint(std::fma(-static_cast<float>(block[i]), dx, x[i]) * id2));
+      exact += x[i];
+    }
+    d[b] = P == 1 ? dx : dx / 254.f;
+    s[b] = P == 1 ? dx * static_cast<float>(sum) : exact;
     for (int w = 0; w < 8; ++w) std::memcpy(words + packed_word(b, w, full), block + 4 * w, 4);
+    if (P == 2)
+      for (int w = 0; w < 8; ++w) std::memcpy(words + K / 4 + packed_word(b, w, full), block2 + 4 * w, 4);
   }
 }
 
-template <int MT>
+template <int MT, int P>
 static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs, int64_t K,
                            float* y, int64_t N) {
   const int64_t full = B / GROUP;
@@ -171,8 +221,12 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
         const int64_t word = k / 4, byte = k % 4;
         const uint8_t v = b < full * GROUP ? w[(b / GROUP) * GROUP * NIBBLES + (word * 8 + b % GROUP) * 4 + byte]
                                            : w[b * NIBBLES + k];
-        dot += (v & 0x0F) * xq[r * K + packed_word(b, word, full) * 4 + byte];
-        dot += (v >> 4) * xq[r * K + packed_word(b, word + 4, full) * 4 + byte];
+        for (int p = 0; p < P; ++p) {
+          const int8_t* xr = xq + r * P * K + p * K;
+          const int32_t unit = P == 2 && p == 0 ? 254 : 1;
+          dot += unit * (v & 0x0F) * xr[packed_word(b, word, full) * 4 + byte];
+          dot += unit * (v >> 4) * xr[packed_word(b, word + 4, full) * 4 + byte];
+        }
       }
       sum += half_to_float(wd[b]) * xd[r * B + b] * static_cast<float>(dot) + half_to_float(wm[b]) * xs[r * B + b];
     }
@@ -183,30 +237,30 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
 static inline void prefetch_row(const uint8_t*, int64_t) {}
 #endif
 
+template <int P>
 static inline void rows_tile(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs,
                              int64_t M, int64_t K, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) row_dot<4>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N);
+  for (; m + 4 <= M; m += 4) row_dot<4, P>(w, B, xq + m * P * K, xd + m * B, xs + m * B, K, y + m * N, N);
+  const int8_t* xr = xq + m * P * K;
   switch (M - m) {
-    case 3: row_dot<3>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
-    case 2: row_dot<2>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
-    case 1: row_dot<1>(w, B, xq + m * K, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    case 3: row_dot<3, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    case 2: row_dot<2, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
+    case 1: row_dot<1, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
     default: break;
   }
 }
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
+template <int P>
+static torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / QK;
-  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
   auto xc = x.contiguous();
   // Plain buffers, not tensors: a decode step makes ~120 of these calls.
-  std::vector<int8_t> xq(M * K);
+  std::vector<int8_t> xq(M * P * K);
   std::vector<float> xd(M * B), xs(M * B);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(xc.data_ptr<float>() + m * K, K, xq.data() + m * K, xd.data() + m * B, xs.data() + m * B);
+      quantize_row<P>(xc.data_ptr<float>() + m * K, K, xq.data() + m * P * K, xd.data() + m * B, xs.data() + m * B);
   });
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -217,10 +271,20 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
-      rows_tile(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
+      rows_tile<P>(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
     }
   });
   return y;
+}
+
+// planes: 1 = activations rounded to Q8_1 (llama.cpp), 2 = two int8 planes (see the top).
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w, int64_t planes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
+  const int64_t K = x.size(1), B = K / QK;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
+  TORCH_CHECK(planes == 1 || planes == 2, "planes: 1 or 2");
+  return planes == 1 ? linear<1>(x, w) : linear<2>(x, w);
 }
 
 // Packed rows [N, K / 32 * 20] -> float32 [N, K]: d * q + m, for the prefill path's float32 GEMM and the tests.
@@ -240,8 +304,8 @@ torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K) {
         const float d = half_to_float(wd[b]), m = half_to_float(wm[b]);
         float* o = op + n * K + b * QK;
         for (int64_t k = 0; k < NIBBLES; ++k) {
-          const uint8_t v = b < full * GROUP ? row[(b / GROUP) * GROUP * NIBBLES + ((k / 4) * 8 + b % GROUP) * 4 + k % 4]
-                                             : row[b * NIBBLES + k];
+          const int64_t grouped = (b / GROUP) * GROUP * NIBBLES + ((k / 4) * 8 + b % GROUP) * 4 + k % 4;
+          const uint8_t v = b < full * GROUP ? row[grouped] : row[b * NIBBLES + k];
           o[k] = d * static_cast<float>(v & 0x0F) + m;
           o[k + 16] = d * static_cast<float>(v >> 4) + m;
         }

@@ -8,6 +8,9 @@
 // kernel compute-bound; here one _mm256_maddubs_epi16 multiplies 32 pairs. maddubs takes one unsigned operand, so the
 // sign trick feeds it |w| and x with w's sign (the same products); |w| is then shared by every activation row of a
 // tile. Pairs sum to at most 2 * 127 * 127, inside int16. AVX2; any other CPU takes the scalar loop.
+//
+// planes = 2 keeps the activations' rounding error too, as q4_linear.cpp does: a second int8 plane rounds
+// x - d * q1 in steps of d / 254, so x ~ (d / 254) * (254 * q1 + q2), about 15 bits where Q8_0 has 8.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,6 +31,21 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+static inline void store_block(const __m256i* i32, int8_t* q) {
+  // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
+  const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+  const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline __m256i round_to_i32(__m256 v) {  // to nearest, ties to even
+  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Rows of P planes of K int8 each; d: the unit of a group's integer (254 * q1 + q2 with two planes).
+template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / QK; ++g, x += QK, q += QK) {
@@ -41,28 +59,40 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float m = _mm_cvtss_f32(m4);
-    d[g] = m / 127.f;
+    const float dx = m / 127.f;
+    d[g] = P == 1 ? dx : dx / 254.f;
     const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
     __m256i i32[4];
-    for (int i = 0; i < 4; ++i)
-      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
-    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
-    const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
-    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int i = 0; i < 4; ++i) i32[i] = round_to_i32(_mm256_mul_ps(v[i], id));
+    store_block(i32, q);
+    if constexpr (P == 2) {  // |x - d * q1| <= d / 2: the second plane stays within -127..127, the sign trick holds
+      const __m256 dv = _mm256_set1_ps(dx), id2 = _mm256_set1_ps(m != 0.f ? 254.f / dx : 0.f);
+      for (int i = 0; i < 4; ++i)
+        i32[i] = round_to_i32(_mm256_mul_ps(_mm256_fnmadd_ps(_mm256_cvtepi32_ps(i32[i]), dv, v[i]), id2));
+      store_block(i32, q + K);
+    }
   }
+}
+
+// A group's integer dot: one plane's products, or two planes' (254 * p1 + p2). Pairs of products fit int16.
+template <int P>
+static inline __m256i group_dot(__m256i wa, __m256i wv, const int8_t* x, int64_t K) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p1 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x1, wv));
+  if constexpr (P == 1) return _mm256_madd_epi16(p1, ones);
+  const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + K));
+  const __m256i p2 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x2, wv));
+  return _mm256_add_epi32(_mm256_madd_epi16(p1, _mm256_set1_epi16(254)), _mm256_madd_epi16(p2, ones));
 }
 
 // One weight row against MT activation rows: each group of 32 weights is loaded once per tile and its |w| shared by
 // the rows. A lone row alternates two accumulators, so the FMA latency does not serialise the groups.
-template <int MT>
+template <int MT, int P>
 static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t K, float* y,
                             int64_t N) {
   constexpr int U = MT == 1 ? 2 : 1;
   const int64_t groups = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[U][MT];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < MT; ++r) acc[u][r] = _mm256_setzero_ps();
@@ -72,9 +102,7 @@ static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, 
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g + u) * QK));
       const __m256i wa = _mm256_sign_epi8(wv, wv);
       for (int r = 0; r < MT; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (g + u) * QK));
-        const __m256i prod = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        const __m256 dot = _mm256_cvtepi32_ps(group_dot<P>(wa, wv, xq + r * P * K + (g + u) * QK, K));
         acc[u][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[g + u] * xd[r * groups + g + u]), dot, acc[u][r]);
       }
     }
@@ -83,9 +111,7 @@ static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, 
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * QK));
     const __m256i wa = _mm256_sign_epi8(wv, wv);
     for (int r = 0; r < MT; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * QK));
-      const __m256i prod = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+      const __m256 dot = _mm256_cvtepi32_ps(group_dot<P>(wa, wv, xq + r * P * K + g * QK, K));
       acc[0][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[g] * xd[r * groups + g]), dot, acc[0][r]);
     }
   }
@@ -102,17 +128,22 @@ static inline void prefetch_row(const int8_t* w, const float* wd, int64_t K) {
   for (int64_t b = 0; b < K / QK * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wd) + b, _MM_HINT_T0);
 }
 #else
+template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
   for (int64_t g = 0; g < K / QK; ++g, x += QK, q += QK) {
     float m = 0.f;
     for (int i = 0; i < QK; ++i) m = std::max(m, std::fabs(x[i]));
-    d[g] = m / 127.f;
-    const float id = m != 0.f ? 127.f / m : 0.f;
-    for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // default mode: to even
+    const float dx = m / 127.f;
+    d[g] = P == 1 ? dx : dx / 254.f;
+    const float id = m != 0.f ? 127.f / m : 0.f, id2 = m != 0.f ? 254.f / dx : 0.f;
+    for (int i = 0; i < QK; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));  // default mode: to even
+      if (P == 2) q[K + i] = static_cast<int8_t>(std::nearbyint(std::fma(-static_cast<float>(q[i]), dx, x[i]) * id2));
+    }
   }
 }
 
-template <int MT>
+template <int MT, int P>
 static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t K, float* y,
                             int64_t N) {
   const int64_t groups = K / QK;
@@ -120,7 +151,9 @@ static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, 
     float s = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       int32_t dot = 0;
-      for (int i = 0; i < QK; ++i) dot += int32_t(w[g * QK + i]) * int32_t(xq[r * K + g * QK + i]);
+      for (int p = 0; p < P; ++p)
+        for (int i = 0; i < QK; ++i)
+          dot += (P == 2 && p == 0 ? 254 : 1) * int32_t(w[g * QK + i]) * int32_t(xq[r * P * K + p * K + g * QK + i]);
       s += wd[g] * xd[r * groups + g] * static_cast<float>(dot);
     }
     y[r * N] = s;
@@ -130,9 +163,10 @@ static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, 
 static inline void prefetch_row(const int8_t*, const float*, int64_t) {}
 #endif
 
+template <int P>
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, d + m * (K / QK));
+    for (int64_t m = m0; m < m1; ++m) quantize_row<P>(x + m * K, K, q + m * P * K, d + m * (K / QK));
   });
 }
 
@@ -144,38 +178,33 @@ std::tuple<torch::Tensor, torch::Tensor> q8_quantize(torch::Tensor x) {
   const int64_t M = xc.size(0), K = xc.size(1);
   auto q = torch::empty({M, K}, xc.options().dtype(torch::kInt8));
   auto d = torch::empty({M, K / QK}, xc.options());
-  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>());
+  quantize_rows<1>(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>());
   return {q, d};
 }
 
+template <int P>
 static inline void rows_tile(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t M, int64_t K,
                              float* y, int64_t N) {
   const int64_t groups = K / QK;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_dot<4>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N);
+  for (; m + 4 <= M; m += 4) tile_dot<4, P>(w, wd, xq + m * P * K, xd + m * groups, K, y + m * N, N);
   switch (M - m) {
-    case 3: tile_dot<3>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
-    case 2: tile_dot<2>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
-    case 1: tile_dot<1>(w, wd, xq + m * K, xd + m * groups, K, y + m * N, N); break;
+    case 3: tile_dot<3, P>(w, wd, xq + m * P * K, xd + m * groups, K, y + m * N, N); break;
+    case 2: tile_dot<2, P>(w, wd, xq + m * P * K, xd + m * groups, K, y + m * N, N); break;
+    case 1: tile_dot<1, P>(w, wd, xq + m * P * K, xd + m * groups, K, y + m * N, N); break;
     default: break;
   }
 }
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8, "float32 x, int8 w");
-  TORCH_CHECK(w.is_contiguous() && scales.is_contiguous(), "contiguous weights");
+template <int P>
+static torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), groups = K / QK;
-  TORCH_CHECK(K % QK == 0, "K a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 && scales.size(0) == N &&
-                  scales.size(1) == groups,
-              "float32 scales [N, K / 32]");
   auto xc = x.contiguous();
   // Plain buffers, not tensors: a decode step makes ~120 of these calls and each tensor costs an allocation's
   // bookkeeping.
-  std::vector<int8_t> xq(M * K);
+  std::vector<int8_t> xq(M * P * K);
   std::vector<float> xd(M * groups);
-  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), xd.data());
+  quantize_rows<P>(xc.data_ptr<float>(), M, K, xq.data(), xd.data());
   auto y = torch::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -189,8 +218,22 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) 
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * K, sp + (n + AHEAD) * groups, K);
-      rows_tile(wp + n * K, sp + n * groups, qp, dp, M, K, yp + n, N);
+      rows_tile<P>(wp + n * K, sp + n * groups, qp, dp, M, K, yp + n, N);
     }
   });
   return y;
+}
+
+// planes: 1 = activations rounded to int8 per 32 (llama.cpp's Q8_0), 2 = two int8 planes (see the top).
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t planes) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kInt8, "float32 x, int8 w");
+  TORCH_CHECK(w.is_contiguous() && scales.is_contiguous(), "contiguous weights");
+  const int64_t K = x.size(1), N = w.size(0), groups = K / QK;
+  TORCH_CHECK(K % QK == 0, "K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == groups,
+              "float32 scales [N, K / 32]");
+  TORCH_CHECK(planes == 1 || planes == 2, "planes: 1 or 2");
+  return planes == 1 ? linear<1>(x, w, scales) : linear<2>(x, w, scales);
 }

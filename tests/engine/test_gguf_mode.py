@@ -1,6 +1,7 @@
 """`--quantization gguf`: the engine multiplies by the .gguf file's own blocks (every Q4_1 projection through the
 Q4_1 x Q8_1 kernel, the Q8_0 lm_head through the Q8_0 x Q8_0 one, no requantization), serves requests end to end,
-and a HF directory, which has no blocks, is refused with a clear error."""
+answers as llama.cpp does, and a HF directory, which has no blocks, is refused with a clear error. `gguf-a16`: the
+same blocks with the activations in two int8 planes answers as float32 does."""
 
 import pytest
 import torch
@@ -15,14 +16,16 @@ from engine.precision import resolve
 from engine.sampling_params import SamplingParams
 
 
-def test_gguf_is_kept_when_asked():
-    choice = resolve("float32", "gguf", torch.device("cpu"), (576, 3072))
-    assert choice.quantization == "gguf" and "gguf (asked)" in choice.reason
+@pytest.mark.parametrize("mode", ["gguf", "gguf-a16"])
+def test_gguf_is_kept_when_asked(mode):
+    choice = resolve("float32", mode, torch.device("cpu"), (576, 3072))
+    assert choice.quantization == mode and f"{mode} (asked)" in choice.reason
 
 
-def test_a_hf_directory_cannot_use_gguf(tiny_model_dir):
-    with pytest.raises(ValueError, match="--quantization gguf takes a .gguf model"):
-        LLM(tiny_model_dir, quantization="gguf", num_kv_blocks=8)
+@pytest.mark.parametrize("mode", ["gguf", "gguf-a16"])
+def test_a_hf_directory_cannot_use_gguf(tiny_model_dir, mode):
+    with pytest.raises(ValueError, match=f"--quantization {mode} takes a .gguf model"):
+        LLM(tiny_model_dir, quantization=mode, num_kv_blocks=8)
     with pytest.raises(ValueError, match="HF directory has no GGUF blocks"):
         load_gguf_blocks(tiny_model_dir)
 
@@ -63,3 +66,14 @@ def test_gguf_answers_the_capital_of_france_as_llama_cpp_does():
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.new_text.startswith("L'Étoile, la Marseillaise")
+
+
+@pytest.mark.slow
+def test_gguf_a16_answers_the_capital_of_france_as_float32_does():
+    # The same blocks, the activations kept to ~15 bits: the 0.08-logit lead of float32's first token survives.
+    llm = LLM(default_model_path(), dtype="float32", quantization="gguf-a16", num_kv_blocks=32)
+    model = llm.engine.model
+    assert model.layers[0].qkv_proj.planes == 2 and model.lm_head.planes == 2
+    prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.new_text.startswith("The capital of France is Paris.")

@@ -107,22 +107,25 @@ def test_kernel_refuses_k_that_32_does_not_divide_or_rows_of_the_wrong_width():
         q4_1_linear(torch.randn(2, 96), packed)
 
 
-def test_q4linear_answers_the_same_on_the_decode_and_the_prefill_path(reader):
+@pytest.mark.parametrize("mode,planes,tolerance", [("gguf", 1, 0.01), ("gguf-a16", 2, 1e-4)])
+def test_q4linear_answers_the_same_on_the_decode_and_the_prefill_path(reader, mode, planes, tolerance):
     data, weight = file_blocks(reader, "blk.3.ffn_down.weight")
-    layer = make_linear(weight, torch.float32, "gguf", [GGUFBlocks("Q4_1", data)])
-    assert isinstance(layer, Q4Linear) and layer.nbytes == data.numel()
-    x = torch.randn(Q4Linear.SMALL_M + 8, weight.shape[1], generator=torch.Generator().manual_seed(2))
+    layer = make_linear(weight, torch.float32, mode, [GGUFBlocks("Q4_1", data)])
+    assert isinstance(layer, Q4Linear) and layer.planes == planes and layer.nbytes == data.numel()
+    small_m = Q4Linear.SMALL_M[planes]
+    x = torch.randn(small_m + 8, weight.shape[1], generator=torch.Generator().manual_seed(2))
     big = layer(x)  # dequantize + matmul: the file's weights exactly, float32 activations
     torch.testing.assert_close(big, x @ weight.t(), rtol=1e-4, atol=1e-4)
-    small = torch.cat([layer(x[: Q4Linear.SMALL_M]), layer(x[Q4Linear.SMALL_M :])])
-    assert ((small - big).norm() / big.norm()).item() < 0.01  # the decode path rounds the activations too
+    small = torch.cat([layer(x[:small_m]), layer(x[small_m:])])
+    assert ((small - big).norm() / big.norm()).item() < tolerance  # the kernel rounds the activations too
 
 
 def test_gguf_mode_takes_q8_0_as_it_is_and_keeps_other_formats_dense(reader):
     data, weight = file_blocks(reader, "token_embd.weight")
     data, weight = data[:300], weight[:300]
     layer = make_linear(weight, torch.float32, "gguf", [GGUFBlocks("Q8_0", data)])
-    assert isinstance(layer, Int8Linear) and layer.int8_activations
+    assert isinstance(layer, Int8Linear) and layer.int8_activations and layer.planes == 1
+    assert make_linear(weight, torch.float32, "gguf-a16", [GGUFBlocks("Q8_0", data)]).planes == 2
     q, scales = q8_0_fields(data)
     assert torch.equal(layer.weight, q) and torch.equal(layer.scales, scales)
     assert isinstance(make_linear(weight, torch.float32, "gguf", [None]), DenseLinear)
