@@ -51,7 +51,7 @@ class EngineConfig:
     model: str = ""  # a .gguf file or a HF directory; empty = the default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16 (probed), else float32
-    quantization: str = "auto"  # none | int8 | w8a8 | gguf | auto (int8 weights on CPU where a probe shows them faster)
+    quantization: str = "auto"  # none|int8|w8a8|gguf|gguf-a16|auto (gguf-a16 for a Q4_1 .gguf, else int8 if faster)
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized from kv_cache_memory

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight format; int8 = int8 weights, one scale per 32 (CPU); w8a8 = int8 weights and, at decode, "
         "activations rounded to int8 per 32 as llama.cpp's Q8_0 (faster, less exact); gguf = a .gguf model's own "
         "Q4_1 / Q8_0 blocks, activations rounded to Q8_1 / Q8_0 as llama.cpp (CPU); gguf-a16 = the same blocks, "
-        "activations kept to ~15 bits in two int8 planes (float32's answers, nearly gguf's speed); auto = int8 where a "
-        "start-up probe shows it faster than dense weights on this CPU",
+        "activations kept to ~15 bits in two int8 planes (float32's answers, nearly gguf's speed); auto = gguf-a16 "
+        "for a .gguf stored as Q4_1, else int8 where a start-up probe shows it faster than dense weights on this CPU",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's generator for unseeded requests")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (a power of two)")

@@ -34,12 +34,12 @@ def test_auto_runs_a_q4_1_gguf_on_its_own_blocks_and_others_on_the_probe():
     if cpu_ops.load() is None:
         pytest.skip("no C++ compiler: auto keeps dense weights")
     choice = resolve("float32", "auto", torch.device("cpu"), SHAPE, frozenset({"Q4_1"}))
-    assert choice.quantization == "gguf" and "Q4_1" in choice.reason
+    assert choice.quantization == "gguf-a16" and "Q4_1" in choice.reason
     for kinds in (frozenset({"F16"}), frozenset({"Q4_1", "Q6_K"}), frozenset()):
         assert resolve("float32", "auto", torch.device("cpu"), SHAPE, kinds).quantization in ("none", "int8")
 
 
-def test_the_default_model_is_a_q4_1_gguf_so_auto_serves_it_as_gguf():
+def test_the_default_model_is_a_q4_1_gguf_so_auto_serves_it_on_its_blocks():
     assert gguf_projection_kinds(default_model_path()) == {"Q4_1"}
     assert gguf_projection_kinds("/some/hf/directory") == set()
 
