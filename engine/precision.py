@@ -88,9 +88,12 @@ def resolve(
         assert quantization in ("none", "auto"), "int8 and gguf weights are CPU kernels: --quantization none on CUDA"
         return Precision(resolved, "none", f"{device.type}: {resolved}, dense weights")
     notes = []
+    own_blocks = quantization == "auto" and gguf_kinds == {"Q4_1"} and cpu_ops.load() is not None
     if dtype == "auto":
         resolved = torch.float32
-        if not has_native_bf16():
+        if own_blocks:  # its kernels and the C++ attention compute in float32: bf16 would only add conversions
+            notes.append("float32 (the GGUF's own blocks)")
+        elif not has_native_bf16():
             notes.append("float32 (no native bf16 in the CPU flags)")
         else:
             weights = _probe_weights(shape)
@@ -107,7 +110,7 @@ def resolve(
             notes.append(f"dense weights (no int8 kernel for {resolved})")
         elif cpu_ops.load() is None:
             notes.append("dense weights (the int8 kernel could not be built here)")
-        elif gguf_kinds == {"Q4_1"}:
+        elif own_blocks:
             quant = "gguf-a16"
             notes.append("gguf-a16: the file's own Q4_1 blocks, activations in two int8 planes")
         else:

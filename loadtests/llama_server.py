@@ -96,7 +96,10 @@ def start(
         binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel), "-t", str(threads),
         "-c", str(ctx_per_slot * parallel), "--timeout", "3600", "--no-webui",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = f"/tmp/llama-server-{port}.log"  # its own log, for when it fails mid-run
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    print(f"  llama-server log: {log_path}", flush=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, 120)
