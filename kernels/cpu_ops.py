@@ -10,6 +10,7 @@ the engine then keeps dense weights and the torch attention.
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ import torch
 
 log = logging.getLogger("tokenweir.engine")
 SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.cpp")))
+HEADERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.h")))
 
 
 @cache
@@ -32,7 +34,8 @@ def load():
         module = cpp_extension.load(
             name="tokenweir_cpu_ops",
             sources=SOURCES,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # torch's build cache hashes the sources and the flags, not the headers they include: the flag carries them
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DTOKENWEIR_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -41,6 +44,14 @@ def load():
         return None
     log.info("CPU kernels ready in %.1fs", time.monotonic() - started)
     return module
+
+
+def _headers_digest() -> str:
+    digest = hashlib.sha256()
+    for path in HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

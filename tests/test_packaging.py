@@ -136,3 +136,9 @@ def test_core_install_serves_a_hosted_upstream_without_torch(core_venv, tmp_path
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_wheel_ships_the_cpu_kernel_sources_and_their_header(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"kernels/cpu/{p.name}" for p in (ROOT / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
+    assert "kernels/cpu/simd.h" in expected and expected <= names, sorted(expected - names)

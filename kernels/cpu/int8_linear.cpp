@@ -11,14 +11,7 @@
 #include <algorithm>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 template <int MT>
 static inline void rows_dot(const float* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,

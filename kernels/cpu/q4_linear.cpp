@@ -44,14 +44,7 @@ static inline int64_t packed_word(int64_t block, int64_t word, int64_t full_grou
 static inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 static inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -71,27 +64,14 @@ static inline void store_block(const __m256i* i32, int64_t b, int64_t full, int3
   for (int w = 0; w < 8; ++w) words[packed_word(b, w, full)] = block[w];
 }
 
-static inline __m256i round_to_i32(__m256 v) {
-  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
 // Rows of P planes of K int8 each; d: the unit of a block's integer (254 * q1 + q2 with two planes), s: its sum.
 template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t B = K / QK, full = B / GROUP;
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   int32_t* words = reinterpret_cast<int32_t*>(q);
   for (int64_t b = 0; b < B; ++b, x += QK) {
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float m = _mm_cvtss_f32(m4);
+    const float m = load_block_absmax(x, v);
     const float dx = m / 127.f;
     const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
     __m256i i32[4];
@@ -103,11 +83,8 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
       d[b] = dx;
       s[b] = dx * static_cast<float>(sum);
     } else {
-      // |x - dx * q1| <= dx / 2, so the second plane stays within -127..127.
-      const __m256 dv = _mm256_set1_ps(dx), id2 = _mm256_set1_ps(m != 0.f ? 254.f / dx : 0.f);
       __m256i j32[4];
-      for (int i = 0; i < 4; ++i)
-        j32[i] = round_to_i32(_mm256_mul_ps(_mm256_fnmadd_ps(_mm256_cvtepi32_ps(i32[i]), dv, v[i]), id2));
+      round_second_plane(v, i32, dx, m != 0.f, j32);
       store_block(j32, b, full, words + K / 4);
       d[b] = dx / 254.f;
       s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));

@@ -22,14 +22,7 @@
 static constexpr int64_t QK = 32;  // weights and activations per scale
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 static inline void store_block(const __m256i* i32, int8_t* q) {
   // The packs work per 128-bit lane: the permute puts the 32 bytes back in order.
@@ -40,36 +33,22 @@ static inline void store_block(const __m256i* i32, int8_t* q) {
                       _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-static inline __m256i round_to_i32(__m256 v) {  // to nearest, ties to even
-  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
 // Rows of P planes of K int8 each; d: the unit of a group's integer (254 * q1 + q2 with two planes).
 template <int P>
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / QK; ++g, x += QK, q += QK) {
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float m = _mm_cvtss_f32(m4);
+    const float m = load_block_absmax(x, v);
     const float dx = m / 127.f;
     d[g] = P == 1 ? dx : dx / 254.f;
     const __m256 id = _mm256_set1_ps(m != 0.f ? 127.f / m : 0.f);
     __m256i i32[4];
     for (int i = 0; i < 4; ++i) i32[i] = round_to_i32(_mm256_mul_ps(v[i], id));
     store_block(i32, q);
-    if constexpr (P == 2) {  // |x - d * q1| <= d / 2: the second plane stays within -127..127, the sign trick holds
-      const __m256 dv = _mm256_set1_ps(dx), id2 = _mm256_set1_ps(m != 0.f ? 254.f / dx : 0.f);
-      for (int i = 0; i < 4; ++i)
-        i32[i] = round_to_i32(_mm256_mul_ps(_mm256_fnmadd_ps(_mm256_cvtepi32_ps(i32[i]), dv, v[i]), id2));
-      store_block(i32, q + K);
+    if constexpr (P == 2) {
+      __m256i j32[4];
+      round_second_plane(v, i32, dx, m != 0.f, j32);
+      store_block(j32, q + K);
     }
   }
 }
