@@ -41,6 +41,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "model"
+    layer_formats: frozenset[str] = frozenset()  # GGUF storage types of the per-layer matrices; empty for HF weights
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "query heads must be a multiple of KV heads"

@@ -17,7 +17,7 @@ from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, default_model_path
 from engine.linear import GGUF_MODES
-from engine.loader import gguf_projection_kinds, load_gguf_blocks, load_model_weights
+from engine.loader import load_gguf_blocks, load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.output import RequestOutput, TextState
@@ -71,8 +71,9 @@ class LLMEngine:
         self.model_name = config.served_model_name or model_config.name
         self.tokenizer = self._load_tokenizer(path)
         widest = (model_config.hidden_size, 2 * model_config.intermediate_size)  # the fused gate/up projection
-        gguf_kinds = frozenset(gguf_projection_kinds(path)) if config.quantization == "auto" else frozenset()
-        self.precision = resolve_precision(config.dtype, config.quantization, device, widest, gguf_kinds)
+        self.precision = resolve_precision(
+            config.dtype, config.quantization, device, widest, model_config.layer_formats
+        )
         dtype = self.precision.dtype
         log.info("precision: %s", self.precision.reason)
         self.model = LlamaForCausalLM(

@@ -105,6 +105,9 @@ def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=os.path.basename(path).removesuffix(".gguf"),
+        layer_formats=frozenset(
+            t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
+        ),
     )
     state: dict[str, torch.Tensor] = {}
     start = time.monotonic()
@@ -129,17 +132,6 @@ def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.
     if progress:
         print(file=sys.stderr)
     return config, state
-
-
-def gguf_projection_kinds(path: str) -> set[str]:
-    """The storage types of a model's per-layer matrices: {"Q4_1"} for the default model; empty for a HF directory.
-    Reads the header only (the file is memory-mapped)."""
-    if not path.endswith(".gguf"):
-        return set()
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    return {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
 def load_gguf_blocks(path: str) -> dict[str, GGUFBlocks]:

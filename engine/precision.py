@@ -31,7 +31,7 @@ PROBE_SECONDS = 0.25
 @dataclass(frozen=True, slots=True)
 class Precision:
     dtype: torch.dtype
-    quantization: str  # none | int8 | w8a8 | gguf
+    quantization: str  # none | int8 | w8a8 | gguf | gguf-a16
     reason: str
 
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import default_model_path
 from engine.llm import LLM
-from engine.loader import gguf_projection_kinds, load_model_weights
+from engine.loader import load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import window_logprobs
 from engine.precision import cpu_flags, has_native_bf16, resolve
@@ -41,9 +41,9 @@ def test_auto_runs_a_q4_1_gguf_on_its_own_blocks_and_others_on_the_probe():
         assert resolve("float32", "auto", torch.device("cpu"), SHAPE, kinds).quantization in ("none", "int8")
 
 
-def test_the_default_model_is_a_q4_1_gguf_so_auto_serves_it_on_its_blocks():
-    assert gguf_projection_kinds(default_model_path()) == {"Q4_1"}
-    assert gguf_projection_kinds("/some/hf/directory") == set()
+def test_the_default_model_is_a_q4_1_gguf_so_auto_serves_it_on_its_blocks(tiny_model_dir):
+    assert load_model_weights(default_model_path())[0].layer_formats == {"Q4_1"}
+    assert load_model_weights(tiny_model_dir)[0].layer_formats == frozenset()  # a HF directory
 
 
 def test_explicit_choices_are_kept():
