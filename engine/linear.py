@@ -114,26 +114,29 @@ class Int8Linear:
 
 class Q4Linear:
     """The GGUF's Q4_1 blocks, repacked for the kernel but not rounded again (kernels/cpu/q4_linear.cpp). Batches of
-    up to SMALL_M rows, prefill chunks included, run the Q4_1 x Q8_1 kernel (activations rounded, as llama.cpp does
-    for every batch); bigger ones dequantize the weight to float32 for that call and MKL multiplies float32
-    activations, as Int8Linear does. Other activation dtypes are widened. planes=2 (`gguf-a16`): the activations'
-    rounding error in a second int8 plane."""
+    up to `small_m` rows run the Q4_1 x Q8_1 kernel (activations rounded, as llama.cpp does for every batch); bigger
+    ones (prefill chunks) dequantize the weight to `prefill_dtype` for that call and multiply dense: in bfloat16 on a
+    CPU with native bf16 (2-2.3x the two-plane kernel at 128-512 rows on an AVX-512 EPYC), else in float32 as
+    Int8Linear does. Other activation dtypes are widened. planes=2 (`gguf-a16`): the activations' rounding error in a
+    second int8 plane."""
 
-    __slots__ = ("packed", "in_features", "planes")
-    # Unlike int8's, this kernel beat dequantize + MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
-    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens; past it the measurements stop. Two
-    # planes cost two maddubs a weight vector: MKL wins from about 256 rows.
-    SMALL_M = {1: 512, 2: 128}
+    __slots__ = ("packed", "in_features", "planes", "prefill_dtype", "small_m")
+    # One plane beat dequantize + float32 MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
+    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens. Two planes cost twice the integer dots:
+    # float32 MKL wins from about 256 rows, and bfloat16 (dequantized for the call) from 64-128.
+    SMALL_M = {(1, torch.float32): 512, (1, torch.bfloat16): 512, (2, torch.float32): 128, (2, torch.bfloat16): 64}
 
-    def __init__(self, blocks: GGUFBlocks, planes: int = 1) -> None:
+    def __init__(self, blocks: GGUFBlocks, planes: int = 1, prefill_dtype: torch.dtype = torch.float32) -> None:
         assert blocks.kind == "Q4_1" and planes in (1, 2)
         self.packed, self.in_features, self.planes = pack_q4_1(blocks.data), blocks.in_features, planes
+        self.prefill_dtype, self.small_m = prefill_dtype, self.SMALL_M[planes, prefill_dtype]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, x = x.dtype, x.float()
-        if x.shape[0] <= self.SMALL_M[self.planes]:
-            return cpu_ops.q4_1_linear(x, self.packed, self.planes).to(dtype)
-        return (x @ cpu_ops.q4_1_dequantize(self.packed, self.in_features).t()).to(dtype)
+        dtype = x.dtype
+        if x.shape[0] <= self.small_m:
+            return cpu_ops.q4_1_linear(x.float(), self.packed, self.planes).to(dtype)
+        weight = cpu_ops.q4_1_dequantize(self.packed, self.in_features, self.prefill_dtype)
+        return (x.to(self.prefill_dtype) @ weight.t()).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -144,24 +147,31 @@ Linear = DenseLinear | Int8Linear | Q4Linear
 
 
 def make_linear(
-    weight: torch.Tensor, dtype: torch.dtype, quantization: str, blocks: list[GGUFBlocks | None] | None = None
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    quantization: str,
+    blocks: list[GGUFBlocks | None] | None = None,
+    prefill_dtype: torch.dtype = torch.float32,
 ) -> Linear:
     """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (GGUF_MODES only): the GGUF
-    blocks of the tensors `weight` was concatenated from, in order."""
+    blocks of the tensors `weight` was concatenated from, in order; prefill_dtype: the dense GEMM's dtype for their
+    prefill chunks."""
     assert quantization in QUANTIZATIONS[:-1], f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
         return DenseLinear(weight)
     assert weight.device.type == "cpu", "int8 and gguf projections are CPU kernels"
     assert dtype in (torch.float32, torch.bfloat16), f"{quantization} with {dtype} activations has no CPU kernel"
     if quantization in GGUF_MODES:
-        return _gguf_linear(weight, blocks or [None], planes=2 if quantization == "gguf-a16" else 1)
+        return _gguf_linear(weight, blocks or [None], 2 if quantization == "gguf-a16" else 1, prefill_dtype)
     return Int8Linear(weight, int8_activations=quantization == "w8a8")
 
 
-def _gguf_linear(weight: torch.Tensor, blocks: list[GGUFBlocks | None], planes: int) -> Linear:
+def _gguf_linear(
+    weight: torch.Tensor, blocks: list[GGUFBlocks | None], planes: int, prefill_dtype: torch.dtype
+) -> Linear:
     fused = concat_rows(blocks)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q4_1":
-        return Q4Linear(fused, planes)
+        return Q4Linear(fused, planes, prefill_dtype)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q8_0":
         return Int8Linear.from_q8_0(fused, planes)
     _warn_dense("+".join(sorted({b.kind if b is not None else "other" for b in blocks})))

@@ -85,6 +85,7 @@ class LLMEngine:
             model_config.max_position_embeddings,
             self.precision.quantization,
             load_gguf_blocks(path) if self.precision.quantization in GGUF_MODES else None,
+            self.precision.prefill_dtype,
         )
         del state
         # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).

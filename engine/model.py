@@ -46,6 +46,7 @@ class DecoderLayer:
         attention: PagedAttention,
         quantization: str = "none",
         blocks: dict[str, GGUFBlocks] | None = None,
+        prefill_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = config
         dtype = weights["o_proj"].dtype
@@ -54,9 +55,8 @@ class DecoderLayer:
         self.post_attention_norm = weights["post_attention_norm"]
 
         def linear(*names: str):
-            return make_linear(
-                torch.cat([weights[n] for n in names]), dtype, quantization, [(blocks or {}).get(n) for n in names]
-            )
+            parts = [(blocks or {}).get(n) for n in names]
+            return make_linear(torch.cat([weights[n] for n in names]), dtype, quantization, parts, prefill_dtype)
 
         self.qkv_proj = linear("q_proj.weight", "k_proj.weight", "v_proj.weight")
         self.qkv_bias = (
@@ -125,7 +125,9 @@ class LlamaForCausalLM:
         max_positions: int | None = None,
         quantization: str = "none",
         blocks: dict[str, GGUFBlocks] | None = None,
+        prefill_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """prefill_dtype: the dense GEMMs' dtype for prefill chunks of the GGUF's own blocks (gguf modes)."""
         assert quantization not in GGUF_MODES or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
@@ -142,7 +144,7 @@ class LlamaForCausalLM:
             prefix = f"layers.{i}."
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
             layer_blocks = {k.removeprefix(prefix): v for k, v in blocks.items() if k.startswith(prefix)}
-            self.layers.append(DecoderLayer(config, weights, attention, quantization, layer_blocks))
+            self.layers.append(DecoderLayer(config, weights, attention, quantization, layer_blocks, prefill_dtype))
         cos, sin = rope_cos_sin(config.head_dim, config.rope_theta, max_positions or config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 

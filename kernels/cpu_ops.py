@@ -79,9 +79,11 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, planes: int = 1) -> torch
     return module.q4_1_linear(x, packed, planes)
 
 
-def q4_1_dequantize(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """packed Q4_1 rows [N, K / 32 * 20] uint8 -> float32 [N, K]: d * q + m, the file's weights exactly."""
-    return load().q4_1_dequantize(packed, in_features)
+def q4_1_dequantize(packed: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed Q4_1 rows [N, K / 32 * 20] uint8 -> [N, K] float32 (d * q + m, the file's weights exactly) or bfloat16
+    (those rounded to nearest even)."""
+    assert dtype in (torch.float32, torch.bfloat16), f"Q4_1 dequantizes to float32 or bfloat16, not {dtype}"
+    return load().q4_1_dequantize(packed, in_features, dtype == torch.bfloat16)
 
 
 def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

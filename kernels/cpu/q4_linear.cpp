@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 static constexpr int64_t QK = 32;       // values per block
@@ -93,10 +94,38 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 }
 
 // One weight row against MT activation rows. Per full group: 4 loads of 32 nibble bytes give 8 vectors of 0..15
-// values; each row's 8 maddubs are summed in int16 (16 products of at most 15 * 127 per lane: < 2^15) and widened
-// once. Two accumulators per row (dots, m terms) keep two FMA chains in flight.
+// values; each row's 8 vectors of products leave one integer dot per block in the block's 32-bit lane. With VNNI
+// (AVX512-VNNI + VL, or AVX-VNNI) one vpdpbusd multiplies 32 pairs and adds them into the lanes; without it, 8 maddubs
+// are summed in int16 (16 products of at most 15 * 127 per lane: < 2^15) and widened once. Both are exact, so the two
+// paths give the same sums. Two accumulators per row (dots, m terms) keep two FMA chains in flight.
 template <int P>
-static inline __m256i block_dots(__m256i s16, __m256i t16) {  // one plane's int16 sums, or two planes'
+static inline __m256i group_dots(const __m256i wv[8], const __m256i* xv, int64_t K) {
+#if defined(TOKENWEIR_VNNI)
+  const auto plane = [&](const __m256i* x) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();  // two chains: vpdpbusd's latency
+    for (int i = 0; i < 8; i += 2) {
+      a = dot_u8_i8(a, wv[i], _mm256_loadu_si256(x + i));
+      b = dot_u8_i8(b, wv[i + 1], _mm256_loadu_si256(x + i + 1));
+    }
+    return _mm256_add_epi32(a, b);
+  };
+  if constexpr (P == 1) return plane(xv);
+  return _mm256_add_epi32(_mm256_mullo_epi32(plane(xv), _mm256_set1_epi32(254)), plane(xv + K / 32));
+#else
+  const auto plane = [&](const __m256i* x) {
+    __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(x));
+    for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(x + i)));
+    return s16;
+  };
+  if constexpr (P == 1) return _mm256_madd_epi16(plane(xv), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(plane(xv), _mm256_set1_epi16(254)),
+                          _mm256_madd_epi16(plane(xv + K / 32), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The tail blocks' dots (maddubs, one block per vector).
+template <int P>
+static inline __m256i block_dots(__m256i s16, __m256i t16) {
   if constexpr (P == 1) return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
   return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(254)), _mm256_madd_epi16(t16, _mm256_set1_epi16(1)));
 }
@@ -122,16 +151,7 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
     const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + g * GROUP)));
     for (int r = 0; r < MT; ++r) {
       const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * P * K + g * GROUP * QK);
-      __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(xv));
-      for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(xv + i)));
-      __m256i t16 = s16;
-      if constexpr (P == 2) {
-        const __m256i* xv2 = xv + K / 32;
-        t16 = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(xv2));
-        for (int i = 1; i < 8; ++i)
-          t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(xv2 + i)));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(block_dots<P>(s16, t16));
+      const __m256 dot = _mm256_cvtepi32_ps(group_dots<P>(wv, xv, K));
       const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(xd + r * B + g * GROUP));
       acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
       macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + r * B + g * GROUP), macc[r]);
@@ -245,10 +265,25 @@ static torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   const int64_t row_bytes = B * ROW_BYTES_PER_BLOCK;
   constexpr int64_t AHEAD = 8;  // rows
   const bool prefetch = M < 4;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
-      rows_tile<P>(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
+  constexpr int64_t TILE_N = 16;  // weight rows whose nibbles (with a 4-row activation tile) stay in L1
+  at::parallel_for(0, N, TILE_N, [&](int64_t n0, int64_t n1) {
+    if (M <= 4) {  // decode: one pass over the weights
+      for (int64_t n = n0; n < n1; ++n) {
+        if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
+        rows_tile<P>(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
+      }
+      return;
+    }
+    // Prefill chunks: every 4-row activation tile meets TILE_N weight rows while both are in L1, instead of one
+    // weight row streaming all M activation rows (up to 1.5 MiB with two planes) through the caches.
+    for (int64_t nt = n0; nt < n1; nt += TILE_N) {
+      const int64_t nend = std::min(nt + TILE_N, n1);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        for (int64_t n = nt; n < nend; ++n)
+          rows_tile<P>(wp + n * row_bytes, B, xq.data() + m * P * K, xd.data() + m * B, xs.data() + m * B, rows, K,
+                       yp + m * N + n, N);
+      }
     }
   });
   return y;
@@ -264,14 +299,12 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w, int64_t planes) {
   return planes == 1 ? linear<1>(x, w) : linear<2>(x, w);
 }
 
-// Packed rows [N, K / 32 * 20] -> float32 [N, K]: d * q + m, for the prefill path's float32 GEMM and the tests.
-torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
-  const int64_t N = w.size(0), B = K / QK, full = B / GROUP;
-  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
-  auto out = torch::empty({N, K}, w.options().dtype(torch::kFloat32));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+// Packed rows [N, K / 32 * 20] -> [N, K] float32 or bfloat16 (rounded to nearest even): d * q + m, for the prefill
+// path's dense GEMM and the tests. Written in the GEMM's dtype directly: a float32 copy then narrowed would write the
+// matrix twice.
+template <typename T>
+static void dequantize_rows(const uint8_t* wp, int64_t N, int64_t K, T* op) {
+  const int64_t B = K / QK, full = B / GROUP;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = wp + n * B * ROW_BYTES_PER_BLOCK;
@@ -279,15 +312,35 @@ torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K) {
       const uint16_t* wm = wd + B;
       for (int64_t b = 0; b < B; ++b) {
         const float d = half_to_float(wd[b]), m = half_to_float(wm[b]);
-        float* o = op + n * K + b * QK;
+        float block[QK];
         for (int64_t k = 0; k < NIBBLES; ++k) {
           const int64_t grouped = (b / GROUP) * GROUP * NIBBLES + ((k / 4) * 8 + b % GROUP) * 4 + k % 4;
           const uint8_t v = b < full * GROUP ? row[grouped] : row[b * NIBBLES + k];
-          o[k] = d * static_cast<float>(v & 0x0F) + m;
-          o[k + 16] = d * static_cast<float>(v >> 4) + m;
+          block[k] = d * static_cast<float>(v & 0x0F) + m;
+          block[k + 16] = d * static_cast<float>(v >> 4) + m;
+        }
+        T* o = op + n * K + b * QK;
+        if constexpr (std::is_same_v<T, float>) {
+          std::memcpy(o, block, sizeof(block));
+        } else {  // round to nearest even on the bits (weights are finite), a loop the compiler vectorizes
+          uint32_t bits[QK];
+          std::memcpy(bits, block, sizeof(block));
+          uint16_t* out = reinterpret_cast<uint16_t*>(o);
+          for (int64_t k = 0; k < QK; ++k) out[k] = static_cast<uint16_t>((bits[k] + 0x7FFF + ((bits[k] >> 16) & 1)) >> 16);
         }
       }
     }
   });
+}
+
+torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K, bool bf16) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "uint8 packed Q4_1 rows [N, *]");
+  const int64_t N = w.size(0), B = K / QK;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == B * ROW_BYTES_PER_BLOCK, "K a multiple of 32, rows of K / 32 * 20 bytes");
+  auto out = torch::empty({N, K}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (bf16)
+    dequantize_rows(w.data_ptr<uint8_t>(), N, K, reinterpret_cast<c10::BFloat16*>(out.data_ptr()));
+  else
+    dequantize_rows(w.data_ptr<uint8_t>(), N, K, out.data_ptr<float>());
   return out;
 }

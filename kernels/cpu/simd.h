@@ -4,6 +4,16 @@
 #pragma once
 #include <immintrin.h>
 
+// u8 x s8 products, 4 per 32-bit lane, added into the lane: one instruction with VNNI (AVX512-VNNI with VL on
+// AMD Zen 4 and Intel server cores, AVX-VNNI on Intel client cores), where maddubs + madd take two and saturate.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENWEIR_VNNI 1
+static inline __m256i dot_u8_i8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define TOKENWEIR_VNNI 1
+static inline __m256i dot_u8_i8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -89,9 +89,10 @@ def test_kernel_equals_llama_cpp_maths_on_the_models_blocks(reader, name, m):
     assert_kernel_matches(x, data)
 
 
-# K: 3 blocks (tail only), 8 (one interleaved group), 19 (two groups and a tail); M across the row tiles of 4
+# K: 3 blocks (tail only), 8 (one interleaved group), 19 (two groups and a tail); M across the row tiles of 4, and
+# (over 4 rows) the prefill order: tiles of 16 weight rows (37 = 16 + 16 + 5) against each 4-row activation tile
 @pytest.mark.parametrize("k", [96, 256, 608])
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 7])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 7, 13, 70])
 def test_kernel_equals_llama_cpp_maths_on_every_block_layout(k, m):
     g = torch.Generator().manual_seed(k + m)
     x = torch.randn(m, k, generator=g)
@@ -112,12 +113,23 @@ def test_q4linear_answers_the_same_on_the_decode_and_the_prefill_path(reader, mo
     data, weight = file_blocks(reader, "blk.3.ffn_down.weight")
     layer = make_linear(weight, torch.float32, mode, [GGUFBlocks("Q4_1", data)])
     assert isinstance(layer, Q4Linear) and layer.planes == planes and layer.nbytes == data.numel()
-    small_m = Q4Linear.SMALL_M[planes]
+    small_m = layer.small_m
     x = torch.randn(small_m + 8, weight.shape[1], generator=torch.Generator().manual_seed(2))
     big = layer(x)  # dequantize + matmul: the file's weights exactly, float32 activations
     torch.testing.assert_close(big, x @ weight.t(), rtol=1e-4, atol=1e-4)
     small = torch.cat([layer(x[:small_m]), layer(x[small_m:])])
     assert ((small - big).norm() / big.norm()).item() < tolerance  # the kernel rounds the activations too
+
+
+def test_bfloat16_prefill_path_is_the_files_weights_rounded_once(reader):
+    data, weight = file_blocks(reader, "blk.3.ffn_down.weight")
+    packed = pack_q4_1(data)
+    assert torch.equal(q4_1_dequantize(packed, weight.shape[1], torch.bfloat16), weight.bfloat16())  # nearest even
+    layer = Q4Linear(GGUFBlocks("Q4_1", data), planes=2, prefill_dtype=torch.bfloat16)
+    x = torch.randn(layer.small_m + 1, weight.shape[1], generator=torch.Generator().manual_seed(3))
+    want = x.double() @ weight.double().t()
+    assert ((layer(x).double() - want).norm() / want.norm()).item() < 1e-2  # bfloat16 activations, weights, output
+    assert layer(x[:1]).dtype == layer(x).dtype == torch.float32
 
 
 def test_gguf_mode_takes_q8_0_as_it_is_and_keeps_other_formats_dense(reader):
