@@ -103,6 +103,22 @@ def paged_decode_attention(
     return load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Same contract as kernels.reference.paged_prefill_attention (int32 tables), or None where the kernel does not
+    cover the case (no AVX-512, head_dim other than 64, non-float32): the caller then takes the reference."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    done = load().paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
+    return out if done else None
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,

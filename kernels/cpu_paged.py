@@ -1,12 +1,12 @@
 """The "cpu" attention backend: the KV write and decode through the C++ kernels (kernels/cpu/store_kv.cpp, and
-kernels/cpu/paged_decode.cpp, which reads K/V in place through the block table), and everything else (chunked
-prefill, a KV write that converts dtypes, non-float32 decode) through the torch reference. Chosen by `auto` on machines
+kernels/cpu/paged_decode.cpp, which reads K/V in place through the block table), chunked prefill through
+kernels/cpu/paged_prefill.cpp (flash-style, AVX-512, head_dim 64), and everything else (a KV write that converts
+dtypes, non-float32 attention, other head sizes or CPUs) through the torch reference. Chosen by `auto` on machines
 where the CPU kernels build."""
 
 import torch
 
 from kernels import cpu_ops, reference
-from kernels.reference import paged_prefill_attention
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv"]
 
@@ -39,3 +39,22 @@ def paged_decode_attention(
     return cpu_ops.paged_decode_attention(
         q, k_cache, v_cache, block_tables.to(torch.int32), context_lens.to(torch.int32), scale
     )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = None
+    if q.shape[0] > 0:
+        tables = block_tables.to(torch.int32).contiguous()
+        cu, lens = cu_seqlens_q.to(torch.int32), context_lens.to(torch.int32)
+        out = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    if out is None:
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return out

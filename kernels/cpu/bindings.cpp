@@ -8,6 +8,8 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w, int64_t planes);
 torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K, bool bf16);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -25,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_dequantize", &q4_1_dequantize, nogil, "packed Q4_1 rows [N, K / 32 * 20] -> float32 or bfloat16 [N, K]");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence over its paged context");
+  m.def("paged_prefill_attention", &paged_prefill_attention, nogil,
+        "varlen causal chunks over their paged context into out; false where the kernel does not cover the case");
   m.def("rms_norm", &rms_norm, nogil, "HF Llama RMSNorm, float32");
   m.def("rope_", &rope_, nogil, "rotate-half RoPE in place on the first heads of each row");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a fused [T, 2I] projection");

@@ -1,0 +1,223 @@
+// Paged prefill attention on CPU: varlen causal chunks q [T, Hq, D] against their paged context (earlier chunks,
+// prefix-cached blocks and the chunk itself, already in the cache), flash-style: an online softmax over tiles of 16
+// keys, so there is no [q, context] score matrix, no mask tensor, and no key tile past a query tile's last position is
+// ever computed (torch's CPU SDPA computes its 512-key tiles whole, half of them masked, in a causal 512-token chunk).
+// A task is (sequence, kv head, a few query positions); its rows are those positions times the G query heads sharing
+// the kv head, so each key and value serves all of them. Keys are transposed once per (sequence, kv head) into tiles
+// [D][16], so a score tile is D broadcast-FMAs per row. float32 throughout; AVX-512 with head_dim 64 (SmolLM2's),
+// where `paged_prefill_attention` returns false otherwise and the caller takes the torch reference (also the oracle in
+// tests/kernels/test_cpu_ops.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t D = 64;      // head_dim this kernel is built for: four vectors a row
+constexpr int64_t KEYS = 16;   // keys per tile: one vector of scores per row
+constexpr int64_t ROWS = 16;   // most rows (positions x grouped heads) per task
+constexpr float kNoScore = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0 (softmax's arguments), Cephes' expf: 2^n * e^r with |r| <= ln2 / 2, relative error ~1e-7.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Sequence {
+  int64_t t0, q_len, ctx;  // its first token in q, its chunk's length, its context (cached + this chunk)
+  const int32_t* table;
+  float* keys_t;  // [ceil(ctx / KEYS)][Hkv][D][KEYS]: its keys, transposed per tile
+};
+
+struct Layout {
+  int64_t Hkv, G, S, q_stride_t, q_stride_h;
+  float scale;
+};
+
+// Keys [tile * 16, +16) of kv head h, transposed into [D][16] (lanes past the context stay 0).
+void transpose_tile(const float* k_cache, const Sequence& sq, const Layout& ly, int64_t tile, int64_t h, float* out) {
+  std::fill(out, out + D * KEYS, 0.f);
+  const int64_t first = tile * KEYS, last = std::min(sq.ctx, first + KEYS);
+  for (int64_t key = first; key < last; ++key) {
+    const int64_t block = std::max<int32_t>(sq.table[key / ly.S], 0);
+    const float* row = k_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
+    for (int64_t d = 0; d < D; ++d) out[d * KEYS + key - first] = row[d];
+  }
+}
+
+// Positions [i0, i0 + positions) of one sequence's chunk, the G query heads of kv head h: rows r = i * G + g.
+void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0,
+                 int64_t positions, float* out) {
+  const int64_t G = ly.G, R = positions * G, first_pos = sq.ctx - sq.q_len + i0;
+  // Rows past R stay 0 and are computed along (a fixed trip count keeps the accumulators in registers), never stored.
+  alignas(64) float qs[ROWS][D] = {};   // the rows' queries, times the softmax scale
+  alignas(64) float acc[ROWS][D] = {};  // unnormalized outputs
+  alignas(64) float p[ROWS][KEYS] = {};
+  float mx[ROWS], sum[ROWS];
+  int64_t pos[ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
+    mx[r] = kNoScore, sum[r] = 0.f, pos[r] = first_pos + i;
+  }
+  const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;  // through the last row's own key
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* kt = sq.keys_t + (tile * ly.Hkv + h) * D * KEYS;
+    __m512 s[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) s[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 k = _mm512_load_ps(kt + d * KEYS);
+      for (int64_t r = 0; r < ROWS; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k, s[r]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t visible = std::min<int64_t>(KEYS, pos[r] - tile * KEYS + 1);  // causal: keys <= its position
+      if (visible <= 0) {
+        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
+      const float tile_max = _mm512_mask_reduce_max_ps(live, s[r]);
+      const float m = std::max(mx[r], tile_max), correction = std::exp(mx[r] - m);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(m))));
+      _mm512_store_ps(p[r], e);
+      sum[r] = sum[r] * correction + _mm512_reduce_add_ps(e);
+      mx[r] = m;
+      if (correction != 1.f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), c));
+      }
+    }
+    // acc[r] += sum_j p[r][j] v_j, four rows at a time: 16 accumulators, each value row loaded once per four rows.
+    const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
+    const float* vrows[KEYS];
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t key = first + j, block = std::max<int32_t>(sq.table[key / ly.S], 0);
+      vrows[j] = v_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m512 a[4][4];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t c = 0; c < 4; ++c) a[r][c] = _mm512_load_ps(acc[r0 + r] + 16 * c);
+      for (int64_t j = 0; j < keys; ++j) {
+        const __m512 v0 = _mm512_loadu_ps(vrows[j]), v1 = _mm512_loadu_ps(vrows[j] + 16),
+                     v2 = _mm512_loadu_ps(vrows[j] + 32), v3 = _mm512_loadu_ps(vrows[j] + 48);
+        for (int64_t r = 0; r < 4; ++r) {
+          const __m512 w = _mm512_set1_ps(p[r0 + r][j]);
+          a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(w, v1, a[r][1]);
+          a[r][2] = _mm512_fmadd_ps(w, v2, a[r][2]);
+          a[r][3] = _mm512_fmadd_ps(w, v3, a[r][3]);
+        }
+      }
+      for (int64_t r = 0; r < 4 && r0 + r < R; ++r)
+        for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(acc[r0 + r] + 16 * c, a[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * G + h * G + g) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
+  }
+}
+
+}  // namespace
+#endif
+
+// q [T, Hq, D] float32 (rows may be strided, as a view of the fused qkv), caches [blocks, S, Hkv, D] float32,
+// block_tables [P, max_blocks], cu_seqlens_q [P + 1], context_lens [P] int32 -> out [T, Hq, D] float32. Returns
+// false (out untouched) where this kernel is not built for the case: no AVX-512, head_dim other than 64, more than 16
+// query heads per kv head, or other dtypes / layouts.
+bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out) {
+#if defined(__AVX512F__)
+  const bool fits = q.dim() == 3 && q.size(2) == D && q.stride(2) == 1 && q.scalar_type() == torch::kFloat32 &&
+                    k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
+                    k_cache.size(3) == D && out.is_contiguous() && out.sizes() == q.sizes() &&
+                    out.scalar_type() == torch::kFloat32 && block_tables.scalar_type() == torch::kInt32 &&
+                    block_tables.is_contiguous() && cu_seqlens_q.scalar_type() == torch::kInt32 &&
+                    context_lens.scalar_type() == torch::kInt32 && q.size(1) % k_cache.size(2) == 0 &&
+                    q.size(1) / k_cache.size(2) <= ROWS;
+  if (!fits) return false;
+  Layout ly{k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), q.stride(0), q.stride(1),
+            static_cast<float>(scale)};
+  const int64_t P = context_lens.size(0), max_blocks = block_tables.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  std::vector<Sequence> seqs;
+  std::vector<int64_t> tile_offset;  // where each sequence's transposed keys start, in floats
+  int64_t floats = 0;
+  for (int64_t b = 0; b < P; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    TORCH_CHECK(ctx[b] >= q_len, "context_lens must include the chunk's tokens");
+    if (q_len == 0) continue;
+    seqs.push_back({cu[b], q_len, ctx[b], block_tables.data_ptr<int32_t>() + b * max_blocks, nullptr});
+    tile_offset.push_back(floats);
+    floats += (ctx[b] + KEYS - 1) / KEYS * ly.Hkv * D * KEYS;
+  }
+  auto keys_t = torch::empty({std::max<int64_t>(floats, 1)}, q.options().dtype(torch::kFloat32));
+  for (size_t s = 0; s < seqs.size(); ++s) seqs[s].keys_t = keys_t.data_ptr<float>() + tile_offset[s];
+  // Phase 1: every sequence's keys, transposed per tile and kv head.
+  std::vector<std::pair<int64_t, int64_t>> key_tiles;  // (sequence, tile)
+  for (size_t s = 0; s < seqs.size(); ++s)
+    for (int64_t t = 0; t < (seqs[s].ctx + KEYS - 1) / KEYS; ++t) key_tiles.emplace_back(s, t);
+  const float* kp = k_cache.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(key_tiles.size()), 8, [&](int64_t a, int64_t z) {
+    for (int64_t i = a; i < z; ++i) {
+      const auto [s, t] = key_tiles[i];
+      for (int64_t h = 0; h < ly.Hkv; ++h)
+        transpose_tile(kp, seqs[s], ly, t, h, seqs[s].keys_t + (t * ly.Hkv + h) * D * KEYS);
+    }
+  });
+  // Phase 2: tasks of (sequence, kv head, positions), handed out longest first from a shared counter, so the threads
+  // end together (a causal chunk's last positions cost many times its first).
+  const int64_t positions = std::max<int64_t>(1, ROWS / ly.G);
+  struct Task {
+    int64_t s, h, i0, n;
+  };
+  std::vector<Task> tasks;
+  for (size_t s = 0; s < seqs.size(); ++s)
+    for (int64_t i0 = 0; i0 < seqs[s].q_len; i0 += positions)
+      for (int64_t h = 0; h < ly.Hkv; ++h)
+        tasks.push_back({static_cast<int64_t>(s), h, i0, std::min(positions, seqs[s].q_len - i0)});
+  std::sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {
+    return seqs[x.s].ctx - seqs[x.s].q_len + x.i0 > seqs[y.s].ctx - seqs[y.s].q_len + y.i0;
+  });
+  const float* qp = q.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < count;)
+      attend_rows(qp, vp, seqs[tasks[i].s], ly, tasks[i].h, tasks[i].i0, tasks[i].n, op);
+  });
+  return true;
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)cu_seqlens_q, (void)context_lens, (void)scale;
+  (void)out;
+  return false;
+#endif
+}
