@@ -95,7 +95,8 @@ def resolve(
     own_blocks = quantization == "auto" and gguf_kinds == {"Q4_1"} and cpu_ops.load() is not None
     if dtype == "auto":
         resolved = torch.float32
-        if own_blocks:  # its kernels and the C++ attention compute in float32: bf16 would only add conversions
+        if own_blocks or quantization in ("gguf", "gguf-a16"):
+            # their kernels and the C++ attention compute in float32: bf16 would only add conversions
             notes.append("float32 (the GGUF's own blocks)")
         elif not has_native_bf16():
             notes.append("float32 (no native bf16 in the CPU flags)")

@@ -42,6 +42,8 @@ def test_auto_runs_a_q4_1_gguf_on_its_own_blocks_and_others_on_the_probe():
         assert choice.prefill_dtype == torch.float32 and "prefill chunks in float32 (no native bf16)" in choice.reason
     # its kernels compute in float32, so auto never adds bf16 conversions around them, native bf16 or not
     assert resolve("auto", "auto", torch.device("cpu"), SHAPE, frozenset({"Q4_1"})).dtype == torch.float32
+    for asked in ("gguf", "gguf-a16"):  # asked for by name, the same
+        assert resolve("auto", asked, torch.device("cpu"), SHAPE, frozenset({"Q4_1"})).dtype == torch.float32
     for kinds in (frozenset({"F16"}), frozenset({"Q4_1", "Q6_K"}), frozenset()):
         assert resolve("float32", "auto", torch.device("cpu"), SHAPE, kinds).quantization in ("none", "int8")
 
