@@ -59,7 +59,7 @@ class EngineConfig:
     kv_cache_memory: int = 512 * 2**20  # bytes for K and V of all layers (CPU); on CUDA see gpu_memory_utilization
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 1024  # a step's tokens: prefill chunks of up to this many
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)

@@ -122,7 +122,7 @@ class Q4Linear:
 
     __slots__ = ("packed", "in_features", "planes", "prefill_dtype", "small_m")
     # One plane beat dequantize + float32 MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
-    # SmolLM2's shapes, AMD EPYC): 512 = the default max_num_batched_tokens. Two planes cost twice the integer dots:
+    # SmolLM2's shapes, AMD EPYC), where the measurements stopped. Two planes cost twice the integer dots:
     # float32 MKL wins from about 256 rows, and bfloat16 (dequantized for the call) from 64-128.
     SMALL_M = {(1, torch.float32): 512, (1, torch.bfloat16): 512, (2, torch.float32): 128, (2, torch.bfloat16): 64}
 

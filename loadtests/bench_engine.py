@@ -134,6 +134,9 @@ def measure_llama(model_path: str, threads: int, work) -> dict | None:
     proc, url = llama_server.start(binary, model_path, CONCURRENCY, threads)
     try:
         return asyncio.run(run_served(url, served_model(url), work, "llama-server"))
+    except httpx.HTTPError as exc:  # it went away mid-run: say so and keep the other rows
+        print(f"  llama-server: no row, it failed mid-run ({type(exc).__name__}: {exc}); see its log above", flush=True)
+        return None
     finally:
         proc.terminate()
         proc.wait(30)
@@ -231,11 +234,13 @@ def main() -> None:
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(o for _, o in work)} output "
           f"tokens; threads {args.threads}", flush=True)  # fmt: skip
     rows: list[tuple[str, dict]] = []
+    # llama-server first: run after our servers, it has twice shut down ("cleaning up before exit", as on a signal)
+    # one request into its run here, and never when it ran first or alone.
+    llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
     rows.append(("tokenweir engine (f32)", f32))
     auto, reason = measure_ours(path, "auto", "auto", args.engine_threads, work)
     rows.append(("tokenweir engine (auto)", auto))
-    llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     if llama:
         rows.append(("llama-server (Q4_1)", llama))
     if not args.skip_hf:
