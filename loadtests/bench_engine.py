@@ -70,7 +70,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
 
 
 async def run_served(url: str, model: str, work, label: str) -> dict:
-    async with httpx.AsyncClient(timeout=3600) as client:
+    # A connection per request: llama-server closes an idle kept-alive connection as httpx sends the next request on
+    # it ("Server disconnected without sending a response", then our SIGTERM's "cleaning up before exit" in its log).
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         # A short warm-up request: first-call costs (thread pools, kernel packing) are not what we measure.
         await stream_one(client, url, model, work[0][0][:16], 4)
         # Batch 1 first: llama-server 0.3.36 here exits ("cleaning up before exit") once the concurrent batch ends.
@@ -234,13 +236,11 @@ def main() -> None:
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(o for _, o in work)} output "
           f"tokens; threads {args.threads}", flush=True)  # fmt: skip
     rows: list[tuple[str, dict]] = []
-    # llama-server first: run after our servers, it has twice shut down ("cleaning up before exit", as on a signal)
-    # one request into its run here, and never when it ran first or alone.
-    llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
     rows.append(("tokenweir engine (f32)", f32))
     auto, reason = measure_ours(path, "auto", "auto", args.engine_threads, work)
     rows.append(("tokenweir engine (auto)", auto))
+    llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     if llama:
         rows.append(("llama-server (Q4_1)", llama))
     if not args.skip_hf:
