@@ -73,13 +73,14 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   alignas(64) float qs[ROWS][D] = {};   // the rows' queries, times the softmax scale
   alignas(64) float acc[ROWS][D] = {};  // unnormalized outputs
   alignas(64) float p[ROWS][KEYS] = {};
-  float mx[ROWS], sum[ROWS];
+  alignas(64) float sum[ROWS][KEYS] = {};  // per lane, added up once at the end
+  float mx[ROWS];
   int64_t pos[ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = r / G, g = r % G;
     const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
     for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
-    mx[r] = kNoScore, sum[r] = 0.f, pos[r] = first_pos + i;
+    mx[r] = kNoScore, pos[r] = first_pos + i;
   }
   const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;  // through the last row's own key
   for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -98,15 +99,15 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
       }
       const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
       const float tile_max = _mm512_mask_reduce_max_ps(live, s[r]);
-      const float m = std::max(mx[r], tile_max), correction = std::exp(mx[r] - m);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(m))));
-      _mm512_store_ps(p[r], e);
-      sum[r] = sum[r] * correction + _mm512_reduce_add_ps(e);
-      mx[r] = m;
-      if (correction != 1.f) {
-        const __m512 c = _mm512_set1_ps(correction);
+      if (tile_max > mx[r]) {  // a new maximum: rescale what was summed under the old one
+        const __m512 c = _mm512_set1_ps(std::exp(mx[r] - tile_max));
         for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), c));
+        _mm512_store_ps(sum[r], _mm512_mul_ps(_mm512_load_ps(sum[r]), c));
+        mx[r] = tile_max;
       }
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(mx[r]))));
+      _mm512_store_ps(p[r], e);
+      _mm512_store_ps(sum[r], _mm512_add_ps(_mm512_load_ps(sum[r]), e));
     }
     // acc[r] += sum_j p[r][j] v_j, four rows at a time: 16 accumulators, each value row loaded once per four rows.
     const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
@@ -137,7 +138,7 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = r / G, g = r % G;
     float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * G + h * G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum[r])));
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
   }
 }
