@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 
-from engine.linear import make_linear
+from engine.linear import GGUF_MODES, make_linear
 from kernels import cpu_ops
 
 log = logging.getLogger("tokenweir.engine")
@@ -95,7 +95,7 @@ def resolve(
     own_blocks = quantization == "auto" and gguf_kinds == {"Q4_1"} and cpu_ops.load() is not None
     if dtype == "auto":
         resolved = torch.float32
-        if own_blocks or quantization in ("gguf", "gguf-a16"):
+        if own_blocks or quantization in GGUF_MODES:
             # their kernels and the C++ attention compute in float32: bf16 would only add conversions
             notes.append("float32 (the GGUF's own blocks)")
         elif not has_native_bf16():
@@ -118,8 +118,6 @@ def resolve(
         elif own_blocks:
             quant = "gguf-a16"
             notes.append("gguf-a16: the file's own Q4_1 blocks, activations in two int8 planes")
-            prefill_dtype, note = _prefill_dtype(shape)
-            notes.append(note)
         else:
             weights = _probe_weights(shape)
             dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
@@ -128,9 +126,9 @@ def resolve(
     elif quantization in ("int8", "w8a8", "gguf", "gguf-a16"):
         assert resolved in (torch.float32, torch.bfloat16), f"{quantization} needs float32 or bfloat16, not {resolved}"
         notes.append(f"{quantization} (asked)")
-        if quantization in ("gguf", "gguf-a16"):
-            prefill_dtype, note = _prefill_dtype(shape)
-            notes.append(note)
+    if quant in GGUF_MODES:
+        prefill_dtype, note = _prefill_dtype(shape)
+        notes.append(note)
     return Precision(resolved, quant, "; ".join(notes), prefill_dtype)
 
 

@@ -75,7 +75,7 @@ async def run_served(url: str, model: str, work, label: str) -> dict:
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         # A short warm-up request: first-call costs (thread pools, kernel packing) are not what we measure.
         await stream_one(client, url, model, work[0][0][:16], 4)
-        # Batch 1 first: llama-server 0.3.36 here exits ("cleaning up before exit") once the concurrent batch ends.
+        # Batch 1 first, on an idle server.
         # The median of three: one 129-token request varies by +-15% here, llama-server's most.
         alone = sorted([await stream_one(client, url, model, work[0][0][:32], 129) for _ in range(3)],
                        key=lambda r: r["tpot"])[1]  # fmt: skip

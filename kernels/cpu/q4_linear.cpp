@@ -98,6 +98,13 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // (AVX512-VNNI + VL, or AVX-VNNI) one vpdpbusd multiplies 32 pairs and adds them into the lanes; without it, 8 maddubs
 // are summed in int16 (16 products of at most 15 * 127 per lane: < 2^15) and widened once. Both are exact, so the two
 // paths give the same sums. Two accumulators per row (dots, m terms) keep two FMA chains in flight.
+// Eight blocks' dots from maddubs' int16 sums, one plane's or two planes' (first plane in units of 254).
+template <int P>
+static inline __m256i block_dots(__m256i s16, __m256i t16) {
+  if constexpr (P == 1) return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(254)), _mm256_madd_epi16(t16, _mm256_set1_epi16(1)));
+}
+
 template <int P>
 static inline __m256i group_dots(const __m256i wv[8], const __m256i* xv, int64_t K) {
 #if defined(TOKENWEIR_VNNI)
@@ -117,17 +124,9 @@ static inline __m256i group_dots(const __m256i wv[8], const __m256i* xv, int64_t
     for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_loadu_si256(x + i)));
     return s16;
   };
-  if constexpr (P == 1) return _mm256_madd_epi16(plane(xv), _mm256_set1_epi16(1));
-  return _mm256_add_epi32(_mm256_madd_epi16(plane(xv), _mm256_set1_epi16(254)),
-                          _mm256_madd_epi16(plane(xv + K / 32), _mm256_set1_epi16(1)));
+  const __m256i s16 = plane(xv);
+  return block_dots<P>(s16, P == 2 ? plane(xv + K / 32) : s16);
 #endif
-}
-
-// The tail blocks' dots (maddubs, one block per vector).
-template <int P>
-static inline __m256i block_dots(__m256i s16, __m256i t16) {
-  if constexpr (P == 1) return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-  return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(254)), _mm256_madd_epi16(t16, _mm256_set1_epi16(1)));
 }
 
 template <int MT, int P>
