@@ -6,6 +6,10 @@
 
 #include <cmath>
 
+#if defined(__AVX512F__)
+#include "exp512.h"
+#endif
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32");
   auto xc = x.contiguous();
@@ -68,7 +72,20 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* g = gp + t * 2 * I;
       const float* u = g + I;
       float* out = yp + t * I;
-      for (int64_t i = 0; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // A vector e^x instead of std::exp, one value at a time: a prefill chunk's SiLU was 11% of its step. The
+      // sigmoid from e = e^-|x| (never overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below.
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= I; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid), _mm512_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
   return y;

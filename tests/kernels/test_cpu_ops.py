@@ -196,3 +196,14 @@ def test_fused_elementwise_kernels_equal_the_torch_layer_code():
     gate_up = torch.randn(7, 2 * 1536, generator=g)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("intermediate", [1536, 37])  # whole vectors; a scalar tail after two of them
+def test_silu_mul_over_the_whole_range_of_gates(intermediate):
+    """The vector sigmoid takes e^-|x| either side of 0: large gates of both signs, zeros and tiny values included."""
+    g = torch.Generator().manual_seed(intermediate)
+    gate = torch.randn(64, intermediate, generator=g) * 8
+    gate[0, :12] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 80.0, -80.0, 0.5, -0.5, 3.0, -3.0])
+    up = torch.randn(64, intermediate, generator=g)
+    got = load().silu_mul(torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
