@@ -42,14 +42,25 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: str | None = None,
+        prefill_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """prefill_dtype: bfloat16 lets the "cpu" backend's prefill kernel take bfloat16 dot products (the GEMMs of
+        such a chunk round to bfloat16 already)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.backend = resolve_backend(backend)
         self.ops = get_ops(self.backend)
-        self.pass_max_seqlen_q = self.backend == "triton"  # the torch reference takes no such argument
+        # Backend-only arguments (the torch reference takes neither).
+        self.pass_max_seqlen_q = self.backend == "triton"
+        self.prefill_bf16 = self.backend == "cpu" and prefill_dtype == torch.bfloat16
 
     def __call__(
         self,
@@ -68,6 +79,8 @@ class PagedAttention:
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
             )
         extra = {"max_seqlen_q": meta.prefill_max_q} if self.pass_max_seqlen_q else {}
+        if self.prefill_bf16:
+            extra["bf16"] = True
         prefill_out = self.ops.paged_prefill_attention(
             q[num_decode:],
             k_cache,

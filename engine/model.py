@@ -133,7 +133,9 @@ class LlamaForCausalLM:
         self.quantization = quantization
         blocks = blocks or {}
         state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-        attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, attention_backend)
+        attention = PagedAttention(
+            config.num_heads, config.num_kv_heads, config.head_dim, attention_backend, prefill_dtype
+        )
         self.attention_backend = attention.backend
         self.embed_tokens = state["embed_tokens"]
         lm_head = "embed_tokens" if config.tie_word_embeddings else "lm_head"

@@ -1,6 +1,7 @@
 """The "cpu" attention backend: the KV write and decode through the C++ kernels (kernels/cpu/store_kv.cpp, and
 kernels/cpu/paged_decode.cpp, which reads K/V in place through the block table), chunked prefill through
-kernels/cpu/paged_prefill.cpp (flash-style, AVX-512, head_dim 64), and everything else (a KV write that converts
+kernels/cpu/paged_prefill.cpp (flash-style, AVX-512, head_dim 64; bfloat16 dot products where asked and the CPU has
+them), and everything else (a KV write that converts
 dtypes, non-float32 attention, other head sizes or CPUs) through the torch reference. Chosen by `auto` on machines
 where the CPU kernels build."""
 
@@ -49,12 +50,14 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    bf16: bool = False,
 ) -> torch.Tensor:
+    """bf16: bfloat16 dot products summed in float32 (the engine's bfloat16-prefill mode), where the kernel has them."""
     out = None
     if q.shape[0] > 0:
         tables = block_tables.to(torch.int32).contiguous()
         cu, lens = cu_seqlens_q.to(torch.int32), context_lens.to(torch.int32)
-        out = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+        out = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, bf16)
     if out is None:
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     return out

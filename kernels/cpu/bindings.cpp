@@ -9,7 +9,8 @@ torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K, bool bf16);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out);
+                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out,
+                             bool bf16);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);

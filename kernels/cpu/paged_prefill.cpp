@@ -6,18 +6,26 @@
 // the kv head, so each key and value serves all of them. Keys are transposed once per (sequence, kv head) into tiles
 // [D][16], so a score tile is D broadcast-FMAs per row. float32 throughout; AVX-512 with head_dim 64 (SmolLM2's),
 // where `paged_prefill_attention` returns false otherwise and the caller takes the torch reference (also the oracle in
-// tests/kernels/test_cpu_ops.py).
+// tests/kernels/test_cpu_prefill.py).
+// With `bf16` (the engine's bfloat16-prefill mode, on a CPU with AVX512_BF16) q.k and p.v are bfloat16 pairs summed
+// into float32 by vdpbf16ps, half the instructions of the float32 FMAs: q, k, v and the probabilities are rounded to
+// bfloat16 (as flash attention keeps them on GPUs), the softmax and every sum stay float32. Keys are packed per tile as
+// [D / 2][16] pairs of dimensions, values as [16 / 2][D] pairs of keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "exp512.h"
 
 namespace {
 
@@ -26,27 +34,10 @@ constexpr int64_t KEYS = 16;   // keys per tile: one vector of scores per row
 constexpr int64_t ROWS = 16;   // most rows (positions x grouped heads) per task
 constexpr float kNoScore = -std::numeric_limits<float>::infinity();
 
-// e^x for x <= 0 (softmax's arguments), Cephes' expf: 2^n * e^r with |r| <= ln2 / 2, relative error ~1e-7.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct Sequence {
   int64_t t0, q_len, ctx;  // its first token in q, its chunk's length, its context (cached + this chunk)
   const int32_t* table;
-  float* keys_t;  // [ceil(ctx / KEYS)][Hkv][D][KEYS]: its keys, transposed per tile
+  float* keys_t;  // [ceil(ctx / KEYS)][Hkv][D][KEYS]: its keys, transposed per tile (bf16: packed K and V tiles)
 };
 
 struct Layout {
@@ -143,15 +134,125 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   }
 }
 
+
+#if defined(__AVX512BF16__)
+constexpr int64_t PAIRS = D / 2 * KEYS;  // 32-bit words in a packed key tile, and in a packed value tile
+
+inline uint32_t bf16_bits(float x) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+
+inline uint32_t bf16_pair(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+
+// Keys [tile * 16, +16) of kv head h as [D / 2][16] words (dimensions d, d + 1 of one key), then their values as
+// [16 / 2][D] words (keys j, j + 1 of one dimension); lanes past the context stay 0.
+void pack_tile_bf16(const float* k_cache, const float* v_cache, const Sequence& sq, const Layout& ly, int64_t tile,
+                    int64_t h, uint32_t* out) {
+  uint32_t* kt = out;
+  uint32_t* vt = out + PAIRS;
+  std::fill(out, out + 2 * PAIRS, 0u);
+  const int64_t first = tile * KEYS, last = std::min(sq.ctx, first + KEYS);
+  for (int64_t key = first; key < last; ++key) {
+    const int64_t block = std::max<int32_t>(sq.table[key / ly.S], 0), j = key - first;
+    const int64_t at = ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
+    const float* krow = k_cache + at;
+    const float* vrow = v_cache + at;
+    for (int64_t d = 0; d < D / 2; ++d) kt[d * KEYS + j] = bf16_pair(krow[2 * d], krow[2 * d + 1]);
+    for (int64_t d = 0; d < D; ++d) vt[j / 2 * D + d] |= bf16_bits(vrow[d]) << (16 * (j & 1));
+  }
+}
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// attend_rows with bfloat16 dot products (see the top of the file); tiles: this sequence's packed K and V tiles.
+void attend_rows_bf16(const float* q, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0, int64_t positions,
+                      float* out) {
+  const int64_t G = ly.G, R = positions * G, first_pos = sq.ctx - sq.q_len + i0;
+  alignas(64) uint32_t qs[ROWS][D / 2] = {};  // the rows' queries times the softmax scale, in pairs
+  alignas(64) float acc[ROWS][D] = {};
+  alignas(64) uint16_t p[ROWS][KEYS] = {};  // this tile's probabilities, bfloat16
+  alignas(64) float sum[ROWS][KEYS] = {};
+  float mx[ROWS];
+  int64_t pos[ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
+    for (int64_t d = 0; d < D / 2; ++d) qs[r][d] = bf16_pair(src[2 * d] * ly.scale, src[2 * d + 1] * ly.scale);
+    mx[r] = kNoScore, pos[r] = first_pos + i;
+  }
+  const uint32_t* tiles_kv = reinterpret_cast<const uint32_t*>(sq.keys_t);
+  const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const uint32_t* kt = tiles_kv + (tile * ly.Hkv + h) * 2 * PAIRS;
+    const uint32_t* vt = kt + PAIRS;
+    __m512 s[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) s[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D / 2; ++d) {
+      const __m512bh k = as_bh(_mm512_load_si512(kt + d * KEYS));
+      for (int64_t r = 0; r < ROWS; ++r) s[r] = _mm512_dpbf16_ps(s[r], as_bh(_mm512_set1_epi32(qs[r][d])), k);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t visible = std::min<int64_t>(KEYS, pos[r] - tile * KEYS + 1);
+      if (visible <= 0) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p[r]), _mm256_setzero_si256());
+        continue;
+      }
+      const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
+      const float tile_max = _mm512_mask_reduce_max_ps(live, s[r]);
+      if (tile_max > mx[r]) {
+        const __m512 c = _mm512_set1_ps(std::exp(mx[r] - tile_max));
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), c));
+        _mm512_store_ps(sum[r], _mm512_mul_ps(_mm512_load_ps(sum[r]), c));
+        mx[r] = tile_max;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(mx[r]))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p[r]), (__m256i)_mm512_cvtneps_pbh(e));
+      _mm512_store_ps(sum[r], _mm512_add_ps(_mm512_load_ps(sum[r]), e));
+    }
+    const int64_t pairs = (std::min(KEYS, sq.ctx - tile * KEYS) + 1) / 2;  // past the context: zero values
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m512 a[4][4];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t c = 0; c < 4; ++c) a[r][c] = _mm512_load_ps(acc[r0 + r] + 16 * c);
+      for (int64_t j = 0; j < pairs; ++j) {
+        const __m512bh v0 = as_bh(_mm512_load_si512(vt + j * D)), v1 = as_bh(_mm512_load_si512(vt + j * D + 16)),
+                       v2 = as_bh(_mm512_load_si512(vt + j * D + 32)), v3 = as_bh(_mm512_load_si512(vt + j * D + 48));
+        for (int64_t r = 0; r < 4; ++r) {
+          uint32_t w;
+          std::memcpy(&w, p[r0 + r] + 2 * j, 4);
+          const __m512bh pw = as_bh(_mm512_set1_epi32(w));
+          a[r][0] = _mm512_dpbf16_ps(a[r][0], pw, v0);
+          a[r][1] = _mm512_dpbf16_ps(a[r][1], pw, v1);
+          a[r][2] = _mm512_dpbf16_ps(a[r][2], pw, v2);
+          a[r][3] = _mm512_dpbf16_ps(a[r][3], pw, v3);
+        }
+      }
+      for (int64_t r = 0; r < 4 && r0 + r < R; ++r)
+        for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(acc[r0 + r] + 16 * c, a[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * G + h * G + g) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum[r])));
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
+  }
+}
+#endif
+
 }  // namespace
 #endif
 
 // q [T, Hq, D] float32 (rows may be strided, as a view of the fused qkv), caches [blocks, S, Hkv, D] float32,
 // block_tables [P, max_blocks], cu_seqlens_q [P + 1], context_lens [P] int32 -> out [T, Hq, D] float32. Returns
 // false (out untouched) where this kernel is not built for the case: no AVX-512, head_dim other than 64, more than 16
-// query heads per kv head, or other dtypes / layouts.
+// query heads per kv head, or other dtypes / layouts. bf16: bfloat16 dot products where the CPU has them (float32
+// otherwise).
 bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out) {
+                             torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out,
+                             bool bf16) {
 #if defined(__AVX512F__)
   const bool fits = q.dim() == 3 && q.size(2) == D && q.stride(2) == 1 && q.scalar_type() == torch::kFloat32 &&
                     k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -184,12 +285,26 @@ bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   std::vector<std::pair<int64_t, int64_t>> key_tiles;  // (sequence, tile)
   for (size_t s = 0; s < seqs.size(); ++s)
     for (int64_t t = 0; t < (seqs[s].ctx + KEYS - 1) / KEYS; ++t) key_tiles.emplace_back(s, t);
+#if defined(__AVX512BF16__)
+  const bool packed = bf16;
+#else
+  const bool packed = false;
+#endif
   const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(key_tiles.size()), 8, [&](int64_t a, int64_t z) {
     for (int64_t i = a; i < z; ++i) {
       const auto [s, t] = key_tiles[i];
-      for (int64_t h = 0; h < ly.Hkv; ++h)
-        transpose_tile(kp, seqs[s], ly, t, h, seqs[s].keys_t + (t * ly.Hkv + h) * D * KEYS);
+      for (int64_t h = 0; h < ly.Hkv; ++h) {
+        float* tile = seqs[s].keys_t + (t * ly.Hkv + h) * D * KEYS;
+#if defined(__AVX512BF16__)
+        if (packed) {
+          pack_tile_bf16(kp, vp, seqs[s], ly, t, h, reinterpret_cast<uint32_t*>(tile));
+          continue;
+        }
+#endif
+        transpose_tile(kp, seqs[s], ly, t, h, tile);
+      }
     }
   });
   // Phase 2: tasks of (sequence, kv head, positions), handed out longest first from a shared counter, so the threads
@@ -207,18 +322,25 @@ bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
     return seqs[x.s].ctx - seqs[x.s].q_len + x.i0 > seqs[y.s].ctx - seqs[y.s].q_len + y.i0;
   });
   const float* qp = q.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t count = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1)) < count;)
-      attend_rows(qp, vp, seqs[tasks[i].s], ly, tasks[i].h, tasks[i].i0, tasks[i].n, op);
+    for (int64_t i; (i = next.fetch_add(1)) < count;) {
+      const Task& t = tasks[i];
+#if defined(__AVX512BF16__)
+      if (packed) {
+        attend_rows_bf16(qp, seqs[t.s], ly, t.h, t.i0, t.n, op);
+        continue;
+      }
+#endif
+      attend_rows(qp, vp, seqs[t.s], ly, t.h, t.i0, t.n, op);
+    }
   });
   return true;
 #else
   (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)cu_seqlens_q, (void)context_lens, (void)scale;
-  (void)out;
+  (void)out, (void)bf16;
   return false;
 #endif
 }

@@ -120,13 +120,13 @@ def test_gguf_a16_with_bfloat16_prefill_chunks_stays_within_3_percent_of_float32
     weights, corpus, float32_result, monkeypatch
 ):
     # What auto serves on a CPU with native bf16: decode rows on the two-plane kernel, prefill chunks (128 rows here,
-    # over the kernel's 64) as bfloat16 GEMMs on the blocks dequantized for the call. Measured: 21.559 vs 21.539,
-    # top-1 agreement 99.1%.
+    # over the kernel's 64) as bfloat16 GEMMs on the blocks dequantized for the call, and their attention with
+    # bfloat16 dot products.
     monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
     config, state = weights
     blocks = load_gguf_blocks(default_model_path())
     model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "gguf-a16", blocks, torch.bfloat16)
-    assert model.layers[0].gate_up_proj.small_m < 128
+    assert model.layers[0].gate_up_proj.small_m < 128 and model.layers[0].attention.prefill_bf16
     assert_close_to_float32(model, corpus, float32_result, "gguf-a16, bfloat16 prefill chunks", 0.98)
 
 

@@ -66,3 +66,37 @@ def test_cases_the_kernel_does_not_cover_go_to_the_reference(num_heads, num_kv_h
     got = cpu_paged.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,chunks",
+    [
+        (9, 3, 16, [(512, 512)]),
+        (9, 3, 16, [(7, 40), (1, 17), (0, 5), (100, 100), (33, 300)]),  # odd tails: half-filled key pairs
+        (32, 2, 16, [(10, 10), (3, 29)]),
+    ],
+)
+def test_bf16_dot_products_equal_the_reference_on_rounded_inputs(num_heads, num_kv_heads, block_size, chunks):
+    """With bf16=True the kernel rounds q, k, v and the probabilities to bfloat16 and sums in float32: against the
+    reference on the same rounded q, k, v (in float64) only the probabilities' rounding is left (a few 1e-3 of the
+    values' scale); the float32 kernel's answer differs where the CPU has bf16 dot products, and is the answer
+    where it has not."""
+    q, k_cache, v_cache, tables, cu, lens = paged_case(num_heads, num_kv_heads, 64, block_size, chunks)
+    scale = 64**-0.5
+    got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, bf16=True)
+    if not AVX512:
+        assert got is None
+        return
+    f32 = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    if "avx512_bf16" not in cpu_flags():
+        torch.testing.assert_close(got, f32, rtol=0, atol=0)
+        return
+    rounded = [bf16_round(t).double() for t in (q.contiguous(), k_cache, v_cache)]
+    want = reference.paged_prefill_attention(*rounded, tables, cu, lens, scale).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().mean() < 3e-3
+    assert (got - f32).abs().max() > 1e-3  # the bfloat16 path ran
