@@ -1,9 +1,8 @@
 """The "cpu" attention backend: the KV write and decode through the C++ kernels (kernels/cpu/store_kv.cpp, and
 kernels/cpu/paged_decode.cpp, which reads K/V in place through the block table), chunked prefill through
 kernels/cpu/paged_prefill.cpp (flash-style, AVX-512, head_dim 64; bfloat16 dot products where asked and the CPU has
-them), and everything else (a KV write that converts
-dtypes, non-float32 attention, other head sizes or CPUs) through the torch reference. Chosen by `auto` on machines
-where the CPU kernels build."""
+them), and everything else (a KV write that converts dtypes, non-float32 attention, other head sizes or CPUs) through
+the torch reference. Chosen by `auto` on machines where the CPU kernels build."""
 
 import torch
 
