@@ -56,6 +56,23 @@ void transpose_tile(const float* k_cache, const Sequence& sq, const Layout& ly, 
   }
 }
 
+// One row's step of the online softmax over a tile of scores, of which the first `visible` (>= 1) count: returns
+// e^(score - max) (0 past them), adds it to the row's per-lane sums, and where the tile raises the row's maximum first
+// rescales what was summed under the old one (its output accumulator and sums).
+inline __m512 softmax_tile(__m512 scores, int64_t visible, float& mx, float* acc, float* sum) {
+  const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
+  const float tile_max = _mm512_mask_reduce_max_ps(live, scores);
+  if (tile_max > mx) {
+    const __m512 c = _mm512_set1_ps(std::exp(mx - tile_max));
+    for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), c));
+    _mm512_store_ps(sum, _mm512_mul_ps(_mm512_load_ps(sum), c));
+    mx = tile_max;
+  }
+  const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(mx))));
+  _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), e));
+  return e;
+}
+
 // Positions [i0, i0 + positions) of one sequence's chunk, the G query heads of kv head h: rows r = i * G + g.
 void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0,
                  int64_t positions, float* out) {
@@ -88,17 +105,7 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
         _mm512_store_ps(p[r], _mm512_setzero_ps());
         continue;
       }
-      const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
-      const float tile_max = _mm512_mask_reduce_max_ps(live, s[r]);
-      if (tile_max > mx[r]) {  // a new maximum: rescale what was summed under the old one
-        const __m512 c = _mm512_set1_ps(std::exp(mx[r] - tile_max));
-        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), c));
-        _mm512_store_ps(sum[r], _mm512_mul_ps(_mm512_load_ps(sum[r]), c));
-        mx[r] = tile_max;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(mx[r]))));
-      _mm512_store_ps(p[r], e);
-      _mm512_store_ps(sum[r], _mm512_add_ps(_mm512_load_ps(sum[r]), e));
+      _mm512_store_ps(p[r], softmax_tile(s[r], visible, mx[r], acc[r], sum[r]));
     }
     // acc[r] += sum_j p[r][j] v_j, four rows at a time: 16 accumulators, each value row loaded once per four rows.
     const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
@@ -199,17 +206,8 @@ void attend_rows_bf16(const float* q, const Sequence& sq, const Layout& ly, int6
         _mm256_store_si256(reinterpret_cast<__m256i*>(p[r]), _mm256_setzero_si256());
         continue;
       }
-      const __mmask16 live = visible >= KEYS ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
-      const float tile_max = _mm512_mask_reduce_max_ps(live, s[r]);
-      if (tile_max > mx[r]) {
-        const __m512 c = _mm512_set1_ps(std::exp(mx[r] - tile_max));
-        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), c));
-        _mm512_store_ps(sum[r], _mm512_mul_ps(_mm512_load_ps(sum[r]), c));
-        mx[r] = tile_max;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(mx[r]))));
+      const __m512 e = softmax_tile(s[r], visible, mx[r], acc[r], sum[r]);
       _mm256_store_si256(reinterpret_cast<__m256i*>(p[r]), (__m256i)_mm512_cvtneps_pbh(e));
-      _mm512_store_ps(sum[r], _mm512_add_ps(_mm512_load_ps(sum[r]), e));
     }
     const int64_t pairs = (std::min(KEYS, sq.ctx - tile * KEYS) + 1) / 2;  // past the context: zero values
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
