@@ -73,6 +73,17 @@ inline __m512 softmax_tile(__m512 scores, int64_t visible, float& mx, float* acc
   return e;
 }
 
+// The R rows' outputs, normalized by their sums, into out [T, Hq, D].
+void store_rows(const float (*acc)[D], const float (*sum)[KEYS], const Sequence& sq, const Layout& ly, int64_t h,
+                int64_t i0, int64_t R, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / ly.G, g = r % ly.G;
+    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * ly.G + h * ly.G + g) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum[r])));
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
+  }
+}
+
 // Positions [i0, i0 + positions) of one sequence's chunk, the G query heads of kv head h: rows r = i * G + g.
 void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0,
                  int64_t positions, float* out) {
@@ -133,12 +144,7 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
         for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(acc[r0 + r] + 16 * c, a[r][c]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r / G, g = r % G;
-    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * G + h * G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum[r])));
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
-  }
+  store_rows(acc, sum, sq, ly, h, i0, R, out);
 }
 
 
@@ -231,12 +237,7 @@ void attend_rows_bf16(const float* q, const Sequence& sq, const Layout& ly, int6
         for (int64_t c = 0; c < 4; ++c) _mm512_store_ps(acc[r0 + r] + 16 * c, a[r][c]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r / G, g = r % G;
-    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * G + h * G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum[r])));
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
-  }
+  store_rows(acc, sum, sq, ly, h, i0, R, out);
 }
 #endif
 
