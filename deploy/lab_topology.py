@@ -85,8 +85,9 @@ def _start(lab: Lab, down_upstream: bool, timeout_s: float) -> None:
     tmp, ports = lab.tmp, lab.ports
     deadline = time.monotonic() + timeout_s
     engines = []
+    engine_key = {render.ENGINE_KEY_ENV: secrets.token_urlsafe(32)}  # in the env: `ps` would show an argument
     for i in (1, 2):
-        engines.append(lab.spawn(f"engine-{i}", engine_cmd(ports[f"engine-{i}"])))
+        engines.append(lab.spawn(f"engine-{i}", engine_cmd(ports[f"engine-{i}"]), env=engine_key))
     members = [(f"engine-{i}", u) for i, u in zip((1, 2), lab.engine_urls(), strict=True)]
     canary = f"http://127.0.0.1:{ports['down']}" if down_upstream else None  # nothing listens there
     env_key = "tw-" + secrets.token_urlsafe(32)
@@ -105,7 +106,7 @@ def _start(lab: Lab, down_upstream: bool, timeout_s: float) -> None:
         path = tmp / f"gateway-{i}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = gateway_cmd(path, ports[f"gateway-{i}"])
-        gateways.append(lab.spawn(f"gateway-{i}", cmd, env={render.ADMIN_KEY_ENV: env_key}))
+        gateways.append(lab.spawn(f"gateway-{i}", cmd, env={render.ADMIN_KEY_ENV: env_key, **engine_key}))
         if i == 1:  # the first replica bootstraps the fresh database alone (no race over the bootstrap key)
             wait_until("gateway-1 start", lambda: "gateway on" in gateways[0].output(), lab, 60, gateways)
     wait_until("gateway-2 start", lambda: "gateway on" in gateways[1].output(), lab, 60, gateways)

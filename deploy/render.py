@@ -19,6 +19,8 @@ DEPLOY = Path(__file__).resolve().parent
 MODEL = "smollm2-135m"
 CANARY_MODEL = "smollm2-135m-canary"
 ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"
+# The engines' API key, in the env of the engines (engine/flags.py reads it) and of the gateways (`api_key_env`).
+ENGINE_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"
 
 # docker compose: service name -> port inside the network
 COMPOSE_ENGINES = [("engine-1", "http://engine-1:8100"), ("engine-2", "http://engine-2:8100")]
@@ -51,7 +53,7 @@ def gateway_config(
             "max_context": 2048,
             "capacity": 16,
             "max_queued": 256,
-            "upstreams": [{"base_url": url, "name": name} for name, url in engines],
+            "upstreams": [{"base_url": url, "name": name, "api_key_env": ENGINE_KEY_ENV} for name, url in engines],
         }
     ]
     if canary_url:
@@ -157,7 +159,9 @@ def compose_files() -> dict[Path, str]:
     prom = prometheus_config(COMPOSE_GATEWAYS, [u.removeprefix("http://") for _, u in COMPOSE_ENGINES])
     return {
         DEPLOY / "gateway.yaml": dump_yaml(
-            gw, head + "# Each replica sets its own TOKENWEIR_EVENTS__PATH; TOKENWEIR_ADMIN_KEY seeds the admin key.\n"
+            gw,
+            head + "# Each replica sets its own TOKENWEIR_EVENTS__PATH; TOKENWEIR_ADMIN_KEY seeds the admin key;\n"
+            "# TOKENWEIR_ENGINE_API_KEY is the key the engines were started with (sent on every call to them).\n",
         ),
         DEPLOY / "nginx.conf": nginx_conf(COMPOSE_GATEWAYS, "8080"),
         DEPLOY / "prometheus.yml": dump_yaml(prom, head),

@@ -4,8 +4,10 @@ Only the engine thread touches the LLMEngine (scheduler, KV cache). Coroutines h
 a queue; it hands back outputs, abort answers and stats snapshots, outputs and answers via `call_soon_threadsafe` in
 the order they happened, so the event loop never waits on a model step. Request streams live on the event loop only.
 
-If the step loop dies, every pending stream ends with EngineDeadError and every pending abort is answered, so no
-client waits on a loop that will never answer; later requests are refused with the same error.
+A request's own failure (its grammar cannot be followed, its text handling raised) ends that request's stream with
+its error; the loop goes on for everyone else. If the step loop itself dies, every pending stream ends with
+EngineDeadError and every pending abort is answered, so no client waits on a loop that will never answer; later
+requests are refused with the same error, and `on_dead` is called (the server exits, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from functools import partial
 
 import torch
 
-from engine.llm_engine import LLMEngine, RequestError
+from engine.llm_engine import LLMEngine, RequestError, RequestFailed
 from engine.metrics import EngineMetrics
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,11 +38,13 @@ FINISHED_MEMORY = 20_000  # final usage of this many recent requests stays query
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop died: nothing will be served any more (a server fault, not the client's)."""
+    """The step loop died: nothing will be served any more (a server fault, not the client's). `in_flight`: the
+    request was in the engine when it died (it may be the cause), rather than refused afterwards."""
 
-    def __init__(self, cause: BaseException) -> None:
+    def __init__(self, cause: BaseException, in_flight: bool = True) -> None:
         super().__init__(f"the engine loop died ({cause!r})")
         self.cause = cause
+        self.in_flight = in_flight
 
 
 class RequestStream:
@@ -69,6 +73,11 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.failed = True
                 raise item
+            if item.error is not None:  # this request failed in the engine; the engine goes on
+                self.failed = True
+                if item.finished:
+                    self.final = item
+                raise item.error
             if item.finished:
                 self.final = item
             yield item
@@ -134,9 +143,15 @@ class EngineThread:
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, metrics: EngineMetrics | None = None, thread: EngineThread | None = None
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        thread: EngineThread | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`thread`: the EngineThread that built `engine`, to run the step loop on; by default a new one."""
+        """`thread`: the EngineThread that built `engine`, to run the step loop on; by default a new one. `on_dead`:
+        called on the event loop once the step loop has died and every waiter has its error."""
+        self.on_dead = on_dead
         self.engine = engine
         self.metrics = metrics or EngineMetrics(engine.model_name, max_model_len=engine.max_model_len)
         self.stats: SchedulerStats = engine.make_stats()  # the latest snapshot, published by the engine thread
@@ -204,7 +219,7 @@ class AsyncEngine:
         """Check the request against the engine's limits (RequestError) and queue it; its outputs arrive on the
         returned stream. Not async, so a bad request fails before a streaming response sends its first byte."""
         if self.errored is not None:
-            raise EngineDeadError(self.errored)
+            raise EngineDeadError(self.errored, in_flight=False)
         self.engine.validate(prompt_token_ids, params)  # reads only fixed limits: safe off the engine thread
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already running", code="duplicate_request_id")
@@ -249,9 +264,11 @@ class AsyncEngine:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(command, _Abort):
                 command.reply(self._finished.get(command.request_id))
+        if self.on_dead is not None:
+            self.on_dead(cause)
 
     # --- the engine thread ------------------------------------------------------------------------------------------
 
@@ -287,9 +304,7 @@ class AsyncEngine:
                 return ran
             ran = True
             if isinstance(command, _Add):
-                self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
-                )
+                self._add(command)
                 continue
             # its sequences are kept for their timings: metrics observe them
             running = [seq for seq in self.engine.groups.get(command.request_id, []) if not seq.is_finished]
@@ -304,6 +319,21 @@ class AsyncEngine:
                 self._remember(out)
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
             self._loop.call_soon_threadsafe(command.reply, out)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
+            )
+        except Exception as exc:  # this request cannot start: it fails, the loop goes on
+            log.exception("request %s failed to start", command.request_id)
+            error = RequestFailed(f"the engine failed to start this request: {exc!r}")
+            outputs = self.engine.fail_request(command.request_id, error) or [
+                RequestOutput(command.request_id, [], "", True, "error", len(command.prompt_token_ids), 0, 0)
+            ]
+            outputs[-1].error = error
+            self._remember(outputs[-1])
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.make_stats()

@@ -68,6 +68,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
-        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            assert value is None or value >= 1, f"{name}: at least 1, got {value}"
         modes = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")
         assert self.quantization in modes, f"quantization: one of {', '.join(modes)}"

@@ -5,10 +5,19 @@ without loading torch, and the gateway's `serve` reads sizes with the same parse
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from engine.config import EngineConfig
+from gateway.http_limits import HttpLimits, add_http_flags
 
+API_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"  # as vLLM reads VLLM_API_KEY
+# Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
+# sends on a connection the server is closing at that very moment.
+KEEP_ALIVE_S = 75
+# Far above any request the engine can serve (a full context of token ids is well under 1 MiB), and above the
+# gateway's own default bound (4 MiB): only a runaway or hostile body is refused.
+MAX_BODY_BYTES = 32 * 1024 * 1024
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -75,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8100, help="port to listen on")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every route but /health and /metrics needs 'Authorization: Bearer <key>' (default: "
+        f"${API_KEY_ENV} if set, else no key is needed); the env variable keeps the key out of `ps`",
+    )
     p.add_argument(
         "--served-model-name", default=None, help="the name clients put in `model` (default: the model's own name)"
     )
@@ -157,11 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="JSON logs on stderr at this level and above (uvicorn's access log included at info)",
     )
+    add_http_flags(p, HttpLimits(keep_alive_s=KEEP_ALIVE_S, max_body_bytes=MAX_BODY_BYTES), parse_size)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key the API asks for: --api-key, else the env variable (what `tokenweir serve` passes its children)."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -40,6 +40,14 @@ class RequestError(ValueError):
         self.param = param
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (an error in its detokenizing, stop strings or start): it ends with an
+    error while every other request goes on. A 500 for its client, and a request a router must not retry elsewhere:
+    its own input may be what fails."""
+
+    code = "request_failed"
+
+
 def _resolve_device(config: EngineConfig) -> torch.device:
     if config.device != "auto":
         return torch.device(config.device)
@@ -211,7 +219,9 @@ class LLMEngine:
         assert request_id not in self.groups, f"request id {request_id!r} is already running"
         assert params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens <= self.max_model_len
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        group: list[Sequence] = []
+        # Registered before its sequences are made, so a failure half-way is cleaned up by fail_request.
+        group: list[Sequence] = self.groups.setdefault(request_id, [])
+        self.open_choices[request_id] = 0
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             lead = group[0] if group and self.block_manager.enable_prefix_caching else None
@@ -228,14 +238,13 @@ class LLMEngine:
             )
             if choice.structured is not None:
                 seq.matcher = self.structured.matcher(self.structured.compile(choice.structured))
-            self.sequences[seq_id] = seq
             self.texts[seq_id] = TextState(
                 self.tokenizer, choice.stop, choice.include_stop_str_in_output, choice.skip_special_tokens
             )
-            self.scheduler.add(seq)
+            self.sequences[seq_id] = seq
             group.append(seq)
-        self.groups[request_id] = group
-        self.open_choices[request_id] = len(group)
+            self.open_choices[request_id] += 1
+            self.scheduler.add(seq)
         return group[0]
 
     @property
@@ -263,6 +272,21 @@ class LLMEngine:
             outputs.append(self._final_output(seq, []))
         return outputs
 
+    def fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
+        """End a request's open choices with `error` and free their blocks; returns their final outputs (the last one
+        `finished`, with the tokens made so far counted), each carrying the error. The engine goes on."""
+        outputs = []
+        for seq in [s for s in self.groups.get(request_id, []) if s.request_id in self.sequences]:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+            seq.finish_reason = "error"
+            out = self._close_choice(seq, [], "")
+            out.error = error
+            outputs.append(out)
+        if self.open_choices.get(request_id) == 0:  # it failed before its first choice was made
+            del self.groups[request_id], self.open_choices[request_id]
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -278,9 +302,24 @@ class LLMEngine:
         if batch.is_empty:
             self.last_stats = StepStats()
             return []
-        sampled_token_ids, logprobs = self.runner.run(batch)
+        sampled_token_ids, logprobs, failed = self.runner.run(batch)
         stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
-        outputs = [self._output(seq) for seq in stepped]
+        outputs = []
+        for seq in stepped:
+            if seq.request_id not in self.sequences:  # a sibling choice failed earlier in this loop
+                continue
+            try:
+                outputs.append(self._output(seq))
+            except Exception as exc:  # this request's text handling failed: end it, not the step loop
+                log.exception("request %s failed in its output", seq.group_id)
+                outputs += self.fail_request(seq.group_id, RequestFailed(f"the engine failed on this request: {exc!r}"))
+        for seq_id, why in failed.items():
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                log.warning("request %s: %s", seq.group_id, why)
+                outputs += self.fail_request(
+                    seq.group_id, RequestError(why, code="invalid_response_format", param="response_format")
+                )
         self.last_stats = StepStats(
             num_generation_tokens=len(stepped),
             num_tokens=batch.num_tokens,
@@ -307,8 +346,12 @@ class LLMEngine:
         return self._request_output(seq, [token_id], text.take_delta(finished=False))
 
     def _final_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        text = self.texts.pop(seq.request_id).take_delta(finished=True)
-        self.sequences.pop(seq.request_id, None)
+        return self._close_choice(seq, new_token_ids, self.texts[seq.request_id].take_delta(finished=True))
+
+    def _close_choice(self, seq: Sequence, new_token_ids: list[int], text: str) -> RequestOutput:
+        """A finished choice's last output; the request is forgotten once its last choice closes."""
+        del self.sequences[seq.request_id]
+        self.texts.pop(seq.request_id, None)
         self.runner.sampler.forget(seq.request_id)
         self.open_choices[seq.group_id] -= 1
         out = self._request_output(seq, new_token_ids, text)

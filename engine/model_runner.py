@@ -121,9 +121,10 @@ class ModelRunner:
         self._logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
         return inputs, pos, meta, sampled
 
-    def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+    def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
         """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
-        and {request id: its logprobs} for those of them that asked."""
+        {request id: its logprobs} for those of them that asked, and {request id: why} for those whose grammar could
+        not go on (they get no token)."""
         inputs, positions, meta, sampled = self.prepare(batch)
         # Grammar masks are computed on a worker thread while the forward runs (both release the GIL).
         guided = [seq.matcher for seq in sampled if seq.matcher is not None]
@@ -132,11 +133,13 @@ class ModelRunner:
         if self._prompt_rows:
             self._score_prompts(logits[len(sampled) :])
         if not sampled:
-            return {}, {}
+            return {}, {}, {}
         out = self.sampler(logits[: len(sampled)], sampled, masks.result() if masks is not None else None)
         ids = [seq.request_id for seq in sampled]
-        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
-        return dict(zip(ids, out.token_ids, strict=True)), logprobs
+        failed = {ids[i]: why for i, why in out.failed.items()}
+        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None and rid not in failed}
+        tokens = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in failed}
+        return tokens, logprobs, failed
 
     def _score_prompts(self, logits: torch.Tensor) -> None:
         rows = torch.log_softmax(logits.float(), dim=-1)

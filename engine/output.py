@@ -18,7 +18,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort | error
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
@@ -26,6 +26,7 @@ class RequestOutput:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked
+    error: Exception | None = None  # why the request failed (finish_reason "error"): raised to its client
 
     @property
     def usage(self) -> dict:

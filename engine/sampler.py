@@ -10,7 +10,7 @@ seeded request draw its noise from its own generator, so a seed reproduces its t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ from engine.sequence import Sequence, TokenLogprob
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
+    # rows whose grammar could not go on (a parser limit hit, or a token refused): why, for the client. Their token
+    # is not theirs to keep: the sequence ends with an error, and the batch goes on without it.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -56,13 +59,18 @@ class Sampler:
         if guided:
             self.structured.apply_masks(logits, guided, [seqs[i].matcher for i in guided], masks)
         token_ids = self._sample(logits, seqs)
+        failed: dict[int, str] = {}
         for i in guided:
-            accepted = seqs[i].matcher.accept(token_ids[i])
-            assert accepted, "the grammar refused a token its own mask allowed"
+            matcher = seqs[i].matcher
+            if not matcher.accept(token_ids[i]):
+                # A grammar past one of the parser's limits allows only a stop token, which it then refuses while
+                # the document is incomplete: that request's grammar cannot be honoured, the others' can.
+                failed[i] = grammar_failure(matcher.error)
+                self.structured.refuse(matcher.grammar, failed[i])
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for j, i in enumerate(logprob_rows):
             logprobs[i] = token_logprob(raw[j], token_ids[i], seqs[i].params.logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, failed)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         self._apply_penalties(logits, seqs)
@@ -124,6 +132,15 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     mask |= cumulative >= ps[:, None]
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def grammar_failure(error: str | None) -> str:
+    """The client's message for a response_format the engine stopped being able to follow mid-generation."""
+    why = (error or "the grammar refused every token the model could produce").split("\n", 1)[0]
+    return (
+        f"the response_format could not be followed: {why}. Simplify the schema (e.g. fewer nested bounded "
+        "repetitions like (...{1,40}){1,40} in a string pattern) and retry"
+    )
 
 
 def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:

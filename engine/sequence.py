@@ -56,7 +56,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first scheduling
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
-        self.finish_reason: str | None = None  # stop | length | abort
+        self.finish_reason: str | None = None  # stop | length | abort | error
         self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []  # per output token, when params.logprobs is set

@@ -5,15 +5,16 @@ uvicorn."""
 from __future__ import annotations
 
 import os
+import signal
 from functools import partial
 
 # Only torch-free imports up here: `--help` and `--version` must answer without loading torch. The engine, the app
 # and uvicorn are imported in main(), after the arguments are parsed.
-from engine.flags import engine_config, parse_args
+from engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
+from engine.flags import api_key, engine_config, parse_args
 from engine.flags import parse_size as parse_size  # gateway/serve_engines.py reads its sizes through this module
 from engine.log_format import configure_logging
 
-KEEP_ALIVE_S = 75
 GRACEFUL_SHUTDOWN_S = 10
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.api import build_app
     from engine.async_engine import AsyncEngine, EngineThread
     from engine.llm_engine import LLMEngine
+    from gateway.http_limits import http_limits_from_args, uvicorn_options
 
     try:
         config = engine_config(args)
@@ -53,10 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         engine = thread.call(partial(LLMEngine, config, progress=True))
     except (AssertionError, ValueError, FileNotFoundError, OSError) as exc:  # config and model problems
         raise SystemExit(f"tokenweir engine: cannot start: {exc}") from exc
-    app = build_app(AsyncEngine(engine, thread=thread))
+    # A dead step loop serves nothing ever again: stop the server (its graceful shutdown lets the failed requests'
+    # errors go out), then exit non-zero below, so a supervisor restarts the process instead of routing to a husk.
+    async_engine = AsyncEngine(engine, thread=thread, on_dead=lambda _cause: os.kill(os.getpid(), signal.SIGTERM))
+    app = build_app(async_engine, api_key=api_key(args))
     print(f"tokenweir engine: serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
-    # sends on a connection the server is closing at that very moment.
+    # Connections are bounded at the door (head size and deadline, body pauses, keep-alive of KEEP_ALIVE_S, open
+    # connections): --max-header-bytes and the other flags of gateway/http_limits.py.
     # On SIGTERM, streams get GRACEFUL_SHUTDOWN_S to finish; then they are cancelled, which aborts them in the engine.
     uvicorn.run(
         app,
@@ -64,9 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         log_level=args.log_level,
         log_config=None,  # keep configure_logging's JSON handler; uvicorn's loggers propagate to it
-        timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **uvicorn_options(http_limits_from_args(args)),
     )
+    if async_engine.errored is not None:
+        raise SystemExit(f"tokenweir engine: the step loop died ({async_engine.errored!r}); exiting to be restarted")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,14 @@ class StructuredOutputs:
             return f"invalid or unsupported JSON schema: {_short(template.get_error())}"
         return Grammar(key=key, template=template)
 
+    def refuse(self, grammar: Grammar, message: str) -> None:
+        """A grammar that hit a parser limit while generating: later requests with the same response_format are
+        refused by compile() (a 400 before their first byte) instead of failing part-way. llguidance grows one lexer
+        per compiled grammar, shared by its matchers, so such a grammar fails sooner each time it is used."""
+        with self._lock:
+            self._cache[grammar.key] = message
+            self._cache.move_to_end(grammar.key)
+
     def matcher(self, grammar: Grammar | None) -> Matcher | None:
         """Fresh state for one sequence (a copy of the compiled grammar: tens of microseconds); None for None, so
         `matcher(compile(spec))` also covers {"type": "text"}."""

@@ -208,6 +208,7 @@ class Admission:
                 ctx.reservation = await local
         except Rejected as r:
             raise _api_error(r) from None
+        self.settler.journal.reserved(ctx)  # a restart after this process dies settles it (gateway/inflight.py)
 
     def state_unavailable(self, err: Exception) -> APIError:
         log.warning("state_unavailable", error=str(err))
@@ -224,8 +225,11 @@ class Admission:
         key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
         key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
         try:
-            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_id=key_id, key_max=key_max)
-            got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, key_id=key_id), ctx)
+            # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
+            lease = {"key_id": key_id, "lease_id": uuid.uuid4().hex}
+            self.settler.journal.slot(ctx, **lease)
+            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_max=key_max, **lease)
+            got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, **lease), ctx)
         except StateUnavailable as e:
             self.settler.defer(e)
             raise self.state_unavailable(e) from None
@@ -239,7 +243,7 @@ class Admission:
                 "concurrency",
                 headers={"retry-after": "1"},
             )
-        ctx.slot, ctx.slot_key_id = True, key_id
+        ctx.slot, ctx.slot_key_id, ctx.slot_lease = True, key_id, lease["lease_id"]
 
     async def enter_queue(self, ctx: RequestContext) -> None:
         timeout = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s

@@ -30,6 +30,7 @@ from gateway.context import new_request_id, open_scope, request_scope
 from gateway.dispatch_queue import DispatchQueue
 from gateway.errors import APIError, api_error_handler, error_response, validation_error
 from gateway.events import EventWriter, replay_after
+from gateway.inflight import recover
 from gateway.logging import bind_request, clear_request, ensure_configured, get_logger
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
@@ -71,8 +72,13 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox)
         services.store, services.authenticator = st, Authenticator(st, config.auth_cache_ttl_s)
         services.usage, services.http, services.outbox, services.admission = usage, client, outbox, admission
-        await replay_usage(st, usage, events, config)
+        billed = await replay_usage(st, usage, events, config)
         await events.start()
+        # Requests a killed run of this process left in flight: billed and given back before anything is served
+        # (and before the in-process state's budgets are seeded from the store, which then includes them).
+        s = admission.settler
+        if await recover(s.journal, s, state, outbox, client, upstreams, billed):
+            await usage.flush()
         if admission.local is not None:
             await seed_budgets(st, admission.local)
         seeding = None
@@ -97,6 +103,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             await outbox.close()
             await usage.close()
             await events.close()
+            admission.settler.journal.close()
             await client.aclose()
             if own_state and hasattr(state, "close"):
                 await state.close()
@@ -130,14 +137,17 @@ def make_state(config: GatewayConfig):
     )
 
 
-async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, config: GatewayConfig) -> None:
+async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, config: GatewayConfig) -> set[str]:
     """Usage of the events written after the store's watermark for this writer (a crash came between the event
-    and the usage flush): added and flushed before anything is served or any budget is seeded."""
+    and the usage flush): added and flushed before anything is served or any budget is seeded. Returns their
+    upstream request ids (billed already: the in-flight recovery skips them)."""
     watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
     path, backups = config.events.path, config.events.backups
-    replayed = 0
+    replayed, billed = 0, set()
     for e in await asyncio.to_thread(lambda: list(replay_after(path, watermark, backups))):
         usage.seq = max(usage.seq, e["seq"])  # the watermark passes events without usage too
+        if e.get("upstream_request_id"):
+            billed.add(e["upstream_request_id"])
         if e.get("route") and e.get("team"):
             model = e.get("served_model") or e.get("model")
             prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
@@ -159,6 +169,7 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
     if replayed:
         await usage.flush()
         log.warning("usage_replayed", events=replayed, after_seq=watermark, writer=usage.writer)
+    return billed
 
 
 async def seed_until_ready(store: Store, state, admission: Admission) -> None:

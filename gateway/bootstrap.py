@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import os
 
+from gateway import keys
 from gateway.store import Conflict, Store
 
 DEMO_TEAM = "demo"
 ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"
 
 
+def admin_key_error(secret: str | None) -> str | None:
+    """The one line saying why `secret` cannot be the operator's admin secret (None: it can, or it is unset).
+    Checked before anything starts, so a bad one costs the operator no engine load."""
+    if not secret:
+        return None
+    weakness = keys.secret_weakness(secret)
+    return None if weakness is None else f"{ADMIN_KEY_ENV}: expected {keys.SECRET_RULE}; {weakness}"
+
+
 def ensure_env_admin_key(store: Store, secret: str | None) -> bool:
-    """TOKENWEIR_ADMIN_KEY: the operator's own tw- secret becomes an admin key (stored hashed like any other).
+    """TOKENWEIR_ADMIN_KEY: the operator's own strong secret (any format: a vault's own is fine) becomes an admin
+    key, stored hashed like any other and found by the hash of the whole string.
 
     Idempotent across restarts and replicas: an already stored secret is left as it is (revoked included: a revoked
-    key stays revoked). Returns True when the key was created now."""
+    key stays revoked). Returns True when the key was created now. A weak secret: ValueError (admin_key_error)."""
     if not secret:
         return False
+    if (error := admin_key_error(secret)) is not None:
+        raise ValueError(error)
     if store.find_key(secret) is not None:
         return False
     try:

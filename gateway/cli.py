@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--store", default=None, help=f"store URL (default: {d.store_url})")
     sub.add_parser("engine", help="run the engine server alone (see `tokenweir engine --help`)")
     args = parser.parse_args(argv)
-    config = load_config(args.config)
+    config = load_config_or_exit(args.config)
     for name, value in (("host", args.host), ("port", args.port), ("store_url", args.store)):
         if value is not None:
             setattr(config, name, value)
@@ -98,7 +99,21 @@ def main(argv: list[str] | None = None) -> None:
         config.engine.model_path = args.model
     if args.no_engine:
         config.engine.enabled = False
+    from gateway.bootstrap import ADMIN_KEY_ENV, admin_key_error
+
+    if (error := admin_key_error(os.environ.get(ADMIN_KEY_ENV))) is not None:  # before an engine loads for nothing
+        sys.exit(f"tokenweir: configuration error: {error}")
     serve_forever(config)
+
+
+def load_config_or_exit(path: str | None, env: dict[str, str] | None = None) -> GatewayConfig:
+    """The config, or exit with one line naming the setting at fault (an operator's mistake is no traceback)."""
+    import yaml
+
+    try:
+        return load_config(path, env)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
+        sys.exit(f"tokenweir: configuration error: {' '.join(str(e).split())}")
 
 
 def serve_forever(config: GatewayConfig) -> None:
@@ -208,8 +223,10 @@ def open_gateway(config: GatewayConfig, bind: bool = False):
 def gateway_server(config: GatewayConfig, app):
     import uvicorn
 
+    from gateway.http_limits import uvicorn_options
+
     # uvicorn installs its own SIGTERM handler: a graceful shutdown that runs the lifespan exit, which flushes usage
-    # and events.
+    # and events. The workers of `serve --workers N` are built here too, so they get the same `http:` limits.
     return uvicorn.Server(
         uvicorn.Config(
             app,
@@ -218,6 +235,7 @@ def gateway_server(config: GatewayConfig, app):
             log_level="warning",
             access_log=config.access_log,
             timeout_graceful_shutdown=config.shutdown_grace_s,
+            **uvicorn_options(config.http),
         )
     )
 

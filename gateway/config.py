@@ -23,7 +23,8 @@ from pathlib import Path
 import orjson
 import yaml
 
-from policies.pricing import Prices
+from gateway.http_limits import HttpLimits
+from policies.pricing import Prices, price_error
 from policies.routing import RouteParams
 
 ENV_PREFIX = "TOKENWEIR_"
@@ -36,6 +37,7 @@ OTHER_ENV = frozenset(
         "TOKENWEIR_KEY_PEPPER",  # gateway/store.py
         "TOKENWEIR_ADMIN_KEY",  # gateway/bootstrap.py
         "TOKENWEIR_ATTENTION_BACKEND",  # the engine
+        "TOKENWEIR_ENGINE_API_KEY",  # the engine's --api-key (engine/flags.py)
     }
 )
 _TRUE = ("true", "1", "yes", "on")
@@ -47,15 +49,19 @@ class UpstreamConfig:
     """One instance of a pool: our engine or any OpenAI-compatible server."""
 
     base_url: str
+    # What metrics, events, logs and tenants' errors call it; never its address (a tenant must not learn where the
+    # upstreams live). Empty: its pool names it `<model>-<position>`.
     name: str = ""
-    api_key: str | None = None
+    # Sent as 'Authorization: Bearer <api_key>' on every call: requests, /abort, /load and /v1/models polls.
+    api_key: str | None = field(default=None, repr=False)
+    # Or the name of an env variable that holds it (read at load_config), to keep the key out of the config file.
+    api_key_env: str | None = None
     model: str | None = None  # the upstream's own model name, if it differs from the pool's public name
     engine: bool = True  # ours: poll /load, ask for continuous usage, POST /abort on cancel
 
     def __post_init__(self) -> None:
         # With or without the /v1 suffix: the gateway appends /v1/... paths itself.
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1").rstrip("/")
-        self.name = self.name or self.base_url
 
 
 @dataclass
@@ -95,13 +101,19 @@ class PoolConfig:
     embeddings: bool | None = None
 
     def __post_init__(self) -> None:
+        for i, upstream in enumerate(self.upstreams):
+            upstream.name = upstream.name or f"{self.model}-{i}"
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool {self.model}: upstream names must differ within a pool, got {names}")
         try:
             self.route_params()
         except ValueError as e:
             raise ValueError(f"pool {self.model}: {e}") from None
-        prices = (self.price_input_per_1m, self.price_output_per_1m, self.price_cached_per_1m)
-        if any(p is not None and not p >= 0 for p in prices):
-            raise ValueError(f"pool {self.model}: price_input_per_1m, price_output_per_1m, price_cached_per_1m >= 0")
+        for name in ("price_input_per_1m", "price_output_per_1m", "price_cached_per_1m"):
+            value = getattr(self, name)
+            if value is not None and (error := price_error(value)) is not None:
+                raise ValueError(f"pool {self.model}: {name}: {error}")
         if self.prefix_index_entries < 1:
             raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
 
@@ -223,6 +235,9 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
+    # The gateway's HTTP server, per connection: head size, field count and deadline, body pauses, idle
+    # keep-alive, open connections per process (gateway/http_limits.py).
+    http: HttpLimits = field(default_factory=HttpLimits)
     default_max_tokens: int = 1024  # when neither the request nor the team's cap says
     max_body_bytes: int = 4 * 1024 * 1024
     load_poll_interval_s: float = 1.0
@@ -253,6 +268,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     env = os.environ if env is None else env
     _merge_env(data, env)
     config = _build(GatewayConfig, data, "")
+    _resolve_api_keys(config, env)
     if env.get("TOKENWEIR_UPSTREAM_URL"):
         model = env.get("TOKENWEIR_UPSTREAM_MODEL", "default")
         config.pools = [p for p in config.pools if p.model != model]
@@ -261,6 +277,19 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             PoolConfig(model=model, upstreams=[upstream], tokenizer=env.get("TOKENWEIR_UPSTREAM_TOKENIZER"))
         )
     return config
+
+
+def _resolve_api_keys(config: GatewayConfig, env) -> None:
+    """Upstreams' `api_key_env`: the key from that variable, now, so a missing one stops the start, not a request."""
+    for pool in config.pools:
+        for upstream in pool.upstreams:
+            if upstream.api_key_env and not upstream.api_key:
+                upstream.api_key = env.get(upstream.api_key_env) or None
+                if upstream.api_key is None:
+                    raise ValueError(
+                        f"pool {pool.model}, upstream {upstream.name}: api_key_env names {upstream.api_key_env}, "
+                        "which is not set (or empty) in the env"
+                    )
 
 
 def env_names(cls=GatewayConfig, prefix: str = ENV_PREFIX) -> dict[str, type]:

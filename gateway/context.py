@@ -89,6 +89,7 @@ class RequestContext:
     # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
     upstream_id: str = ""
     route: list[str] = field(default_factory=list)
+    upstream_error: str | None = None  # why the last hop that failed did, its address included: the event's only
     route_reason: dict | None = None  # why the first hop (policies/routing.py RouteReason.as_dict): for the event
     dispatched_at: float | None = None
     upstream_end: float | None = None
@@ -110,6 +111,7 @@ class RequestContext:
     # The API key's own limits (None: only the team's), enforced with the team's in the same reserve / slot
     key_limits: KeyLimits | None = None
     slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
+    slot_lease: str | None = None  # that slot's lease id in a shared state: released by id (gateway/inflight.py)
     user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
     cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
 

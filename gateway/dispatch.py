@@ -62,6 +62,7 @@ class Dispatcher:
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
             ctx.served_model = hop.model
             ctx.upstream_id = "tw-" + uuid.uuid4().hex
+            self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
             hop.instance.take(time.monotonic())
             self.upstreams.record(hop, hashes)
             self.metrics.in_flight.labels(ctx.model).inc()
@@ -84,7 +85,15 @@ class Dispatcher:
                 await self.settler.close_stream(ctx)
             except relay.UpstreamRejected as e:
                 ctx.incomplete = False
-                ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}  # refused: nothing was made
+                # Refused before running: nothing was made. An engine may have failed the request part-way (a
+                # grammar it could not follow): it counted what it made, and the bill says the same.
+                ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+                if hop.instance.cfg.engine:
+                    usage = ((await relay.abort(self.client, hop, ctx.upstream_id)) or {}).get("usage") or {}
+                    ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+                    ctx.usage_source = "engine_abort"
+                ctx.chunks = None
+                await self.settler.close_stream(ctx)
                 ctx.status, ctx.reason, ctx.http_status = "error", "upstream_rejected", e.status
                 return Response(e.body, e.status, media_type="application/json")
         ctx.reason = "upstream_unavailable"
@@ -158,12 +167,11 @@ class Dispatcher:
             while chunks.first_token_at is None and not chunks.done:
                 data = await ctx.sse.next(first_deadline)
                 if data is None:
-                    raise relay.UpstreamFailed(f"{hop.label}: the stream ended before its first event")
-                if chunks.error is not None:
-                    raise relay.UpstreamFailed(f"{hop.label}: {chunks.error.get('message')}")
+                    raise relay.failed(hop, "the stream ended before its first event")
                 out = chunks.process(data)
                 if chunks.error is not None:
-                    raise relay.UpstreamFailed(f"{hop.label}: {chunks.error.get('message')}")
+                    why = chunks.error.get("message")
+                    raise relay.request_fault(hop, chunks.error) or relay.failed(hop, "an error event", why)
                 if out is not None:
                     first.append(out)
         except TimeoutError:
@@ -173,7 +181,7 @@ class Dispatcher:
             ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
         except HTTPError as e:
-            raise relay.UpstreamFailed(f"{hop.label}: {type(e).__name__}") from e
+            raise relay.failed(hop, "connection failed", e) from e
         ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
         deadline = ctx.deadline_base + total
 
@@ -212,8 +220,8 @@ class Dispatcher:
             except TimeoutError:
                 ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "timeout", "timeout", 504, True
                 tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
-            except HTTPError:  # the upstream connection broke mid-body
-                pass
+            except HTTPError as e:  # the upstream connection broke mid-body
+                ctx.hop.error = f"{ctx.hop.where}: {e}"
             if chunks.done:
                 ctx.incomplete = False
             elif ctx.status != "timeout":

@@ -49,6 +49,9 @@ FIELDS = (
     "user",  # the request's `user` field (the client's end user), clipped like every client string
     "cost",  # USD at the serving pool's prices (config price_*_per_1m); null when the pool has none
     "kind",  # chat | completion | embeddings
+    "upstream_error",  # why the last hop that failed did, its address included (never in the tenant's answer)
+    "overrun_tokens",  # completion tokens beyond the output reserved (max_tokens): made, billed, not admitted
+    "usage_source",  # upstream | engine_abort | estimate_text | reservation_bound (gateway/settle.py); null: no hop
     "seq",
 )
 

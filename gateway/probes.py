@@ -2,8 +2,10 @@
 
 `/livez` answers 200 while the process serves HTTP at all. `/health` (also `/readyz`) is readiness: 503 when the
 gateway cannot admit requests (the shared state or the store unreachable, or no pool with an instance whose circuit
-is closed), naming each check, so a load balancer sends traffic elsewhere. `/metrics` needs `Authorization: Bearer
-<metrics_token>` when the config sets one (it lists team ids and their budgets).
+is closed), naming each check, so a load balancer sends traffic elsewhere. Anyone may ask, so it says ok/down per
+pool only; with an admin key it also lists each instance (name, address, circuit, requests in flight).
+`/metrics` needs `Authorization: Bearer <metrics_token>` when the config sets one (it lists team ids and their
+budgets).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.auth import bearer_secret
 from gateway.errors import APIError, error_response
 from gateway.services import ServicesDep
 from gateway.state import StateUnavailable
@@ -33,7 +36,8 @@ async def livez() -> JSONResponse:
 
 @router.get("/health")
 @router.get("/readyz", include_in_schema=False)
-async def health(services: ServicesDep) -> JSONResponse:
+async def health(request: Request, services: ServicesDep) -> JSONResponse:
+    detail = await _shows_admin_key(request, services)
     checks: dict[str, str] = {}
     admission = services.admission  # None until the lifespan has started
     try:
@@ -53,7 +57,13 @@ async def health(services: ServicesDep) -> JSONResponse:
     pools = {}
     for name, pool in services.upstreams.pools.items():
         pools[name] = [
-            {"instance": i.name, "circuit": "open" if i.opened_at is not None else "closed", "in_flight": i.in_flight}
+            {
+                "instance": i.name,
+                "base_url": i.cfg.base_url,
+                "circuit": "open" if i.opened_at is not None else "closed",
+                "down": i.down_since is not None,  # its process exited (a supervised engine), not yet back
+                "in_flight": i.in_flight,
+            }
             for i in pool.instances
         ]
         checks[f"pool:{name}"] = "ok" if any(i["circuit"] == "closed" for i in pools[name]) else "down"
@@ -62,8 +72,19 @@ async def health(services: ServicesDep) -> JSONResponse:
     not_ready = not_ready or (pools and all(checks[f"pool:{p}"] == "down" for p in pools))
     degraded = any(v != "ok" for v in checks.values())
     status = "unavailable" if not_ready else "degraded" if degraded else "ok"
-    body = {"status": status, "checks": checks, "pools": pools}
+    body = {"status": status, "checks": checks} | ({"pools": pools} if detail else {})
     return JSONResponse(body, status_code=503 if not_ready else 200)
+
+
+async def _shows_admin_key(request: Request, services: ServicesDep) -> bool:
+    """Whether the caller sent an admin key: instance names, addresses and loads are the operator's to see, not
+    every tenant's. No key, or a tenant's: the summary; a key that is not valid at all: a 401, as anywhere."""
+    if services.authenticator is None:  # before the lifespan opened the store
+        return False
+    secret = bearer_secret(request)
+    if not secret:
+        return False
+    return (await services.authenticator.authenticate(secret)).key.is_admin
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -17,11 +17,30 @@ from starlette.responses import Response
 from gateway.disconnect import wait_disconnect
 from gateway.http1 import HTTP1Pool, HTTPError, request_json
 from gateway.http1 import Response as UpstreamResponse
+from gateway.logging import get_logger
 from gateway.upstream import Hop
+
+log = get_logger()
 
 
 class UpstreamFailed(Exception):
-    """The hop failed before any byte reached the client (connection error, 5xx): try the next hop."""
+    """The hop failed before any byte reached the client (connection error, 5xx): try the next hop.
+
+    Its text is what a tenant may read (the hop's pool and instance name, what went wrong); `detail` adds what only
+    the operator may: the instance's address and the connection error (the log, the request's event)."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message
+
+
+def failed(hop: Hop, reason: str, cause: object = None) -> UpstreamFailed:
+    """The hop failed: logged in full now (a retried hop leaves no other trace of why), remembered on the hop for
+    the request's event, raised to the tenant as `reason` only (`cause` names addresses)."""
+    detail = f"{hop.where}: {cause or reason}"
+    hop.error = detail
+    log.warning("upstream_failed", upstream=hop.label, base_url=hop.instance.cfg.base_url, error=str(cause or reason))
+    return UpstreamFailed(f"{hop.label}: {reason}", detail)
 
 
 class UpstreamRejected(Exception):
@@ -30,6 +49,45 @@ class UpstreamRejected(Exception):
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(f"upstream answered {status}")
         self.status, self.body = status, body
+
+
+# Engine error codes that end a request it was running: the request may be the cause (a poison input), so it goes to
+# no other instance, where it could do the same.
+REQUEST_FAULT_CODES = frozenset({"request_failed", "engine_loop_died"})
+
+
+def request_fault(hop: Hop, error: object) -> UpstreamRejected | None:
+    """An engine's error (a JSON body's or a stream's error event) that the request caused or may have caused, as
+    what the client gets instead of a retry on the next hop: the engine's own 4xx, or a 502 for a failure inside it.
+    None for any other error (the instance's: the next hop may serve the request)."""
+    if not hop.instance.cfg.engine or not isinstance(error, dict):
+        return None
+    if error.get("code") in REQUEST_FAULT_CODES:
+        message = (
+            f"{hop.label} failed while serving this request ({error.get('message')}); it is not retried on another "
+            "instance, since the request itself may be the cause."
+        )
+        error = {"message": message, "type": "upstream_error", "param": None, "code": "upstream_request_failed"}
+        return UpstreamRejected(502, orjson.dumps({"error": error}))
+    if error.get("type") == "invalid_request_error":
+        return UpstreamRejected(400, orjson.dumps({"error": error}))
+    return None
+
+
+def _error_of(raw: bytes) -> object:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("error") if isinstance(obj, dict) else None
+
+
+def failure_reason(status: int) -> str:
+    """A status that is the instance's failure, not the client's: a 5xx, a 429, or a 401 (the tenant's key never
+    goes upstream: a refused key is the gateway's, a configuration fault)."""
+    if status == 401:
+        return "HTTP 401: the instance refused the gateway's API key"
+    return f"HTTP {status}"
 
 
 def make_client(connect_s: float = 5.0) -> HTTP1Pool:
@@ -47,9 +105,7 @@ def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tup
         if inst.cfg.engine:
             opts["continuous_usage_stats"] = True
         out["stream_options"] = opts
-    headers = {"content-type": "application/json", "x-request-id": request_id}
-    if inst.cfg.api_key:
-        headers["authorization"] = f"Bearer {inst.cfg.api_key}"
+    headers = {"content-type": "application/json", "x-request-id": request_id, **inst.auth_headers()}
     return inst.cfg.base_url, orjson.dumps(out), headers
 
 
@@ -64,15 +120,15 @@ async def call_json(client: HTTP1Pool, hop: Hop, path: str, body: dict, request_
             finally:
                 await r.aclose()
         except HTTPError as e:
-            raise UpstreamFailed(f"{hop.label}: {e}") from e
-    if r.status_code >= 500 or r.status_code == 429:
-        raise UpstreamFailed(f"{hop.label}: HTTP {r.status_code}")
+            raise failed(hop, "connection failed", e) from e
+    if r.status_code >= 500 or r.status_code == 429 or r.status_code == 401:
+        raise request_fault(hop, _error_of(raw)) or failed(hop, failure_reason(r.status_code))
     if r.status_code != 200:
         raise UpstreamRejected(r.status_code, raw)
     try:
         return orjson.loads(raw), raw
     except orjson.JSONDecodeError as e:
-        raise UpstreamFailed(f"{hop.label}: invalid JSON body") from e
+        raise failed(hop, "invalid JSON body") from e
 
 
 class SSEStream:
@@ -130,7 +186,7 @@ async def open_stream(
         try:
             response = await client.request("POST", base + path, content, headers)
         except HTTPError as e:
-            raise UpstreamFailed(f"{hop.label}: {e}") from e
+            raise failed(hop, "connection failed", e) from e
         if response.status_code != 200:
             try:
                 data = await response.read()
@@ -138,17 +194,15 @@ async def open_stream(
                 data = b""
             finally:
                 await response.aclose()
-            if response.status_code >= 500 or response.status_code == 429:
-                raise UpstreamFailed(f"{hop.label}: HTTP {response.status_code}")
+            if response.status_code >= 500 or response.status_code == 429 or response.status_code == 401:
+                raise request_fault(hop, _error_of(data)) or failed(hop, failure_reason(response.status_code))
             raise UpstreamRejected(response.status_code, data)
     return SSEStream(response)
 
 
 async def abort(client: HTTP1Pool, hop: Hop, request_id: str) -> dict | None:
     """Tell our engine to stop `request_id`; its answer carries the exact usage made. None if it cannot say."""
-    headers = {"content-type": "application/json"}
-    if hop.instance.cfg.api_key:
-        headers["authorization"] = f"Bearer {hop.instance.cfg.api_key}"
+    headers = {"content-type": "application/json", **hop.instance.auth_headers()}
     body = orjson.dumps({"request_id": request_id})
     return await request_json(client, "POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
 

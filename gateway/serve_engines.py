@@ -1,6 +1,11 @@
 """The bundled engine children of `tokenweir serve`: their command line, one child (`start_engine` /
 `stop_engine`), or N supervised as one pool (`EngineReplicas`). Started once, by the process that runs `serve`;
 gateway workers (`serve --workers N`) only point their pools at them. Torch-free: `serve` must not import it.
+
+Each start makes one random API key for its children (`engine_key`; TOKENWEIR_ENGINE_API_KEY in `serve`'s env
+chooses it instead): they get it in their env, not on their command line (`ps` shows argv to every local user), and
+the pool members that point at them send it. So a local process cannot be served by an engine directly, around
+admission and billing, nor abort another tenant's request.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -53,6 +59,34 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
     return cmd + ec.extra_args
 
 
+def engine_key(ec: BundledEngineConfig) -> str:
+    """The children's API key: an `--api-key` in engine.extra_args (it would win over the env), else the one in
+    `serve`'s own env (an operator who wants to call the engines directly), else a fresh one for this start."""
+    from engine.flags import API_KEY_ENV  # torch-free
+
+    args = ec.extra_args
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return os.environ.get(API_KEY_ENV) or secrets.token_urlsafe(32)
+
+
+def engine_env(key: str) -> dict[str, str]:
+    from engine.flags import API_KEY_ENV
+
+    return {**os.environ, API_KEY_ENV: key}
+
+
+def give_key(config: GatewayConfig, urls: set[str], key: str) -> None:
+    """Configured pool members that point at our children and have no key of their own send the children's."""
+    for pool in config.pools:
+        for upstream in pool.upstreams:
+            if upstream.base_url in urls and not upstream.api_key:
+                upstream.api_key = key
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -75,7 +109,8 @@ def start_engine(config: GatewayConfig) -> subprocess.Popen:
     model_path = model_path_of(ec)
     from gateway.supervisor import die_with_parent
 
-    proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port), preexec_fn=die_with_parent())
+    key = engine_key(ec)
+    proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port), preexec_fn=die_with_parent(), env=engine_env(key))
     url = f"http://127.0.0.1:{ec.port}"
     t0 = time.monotonic()
     while True:
@@ -93,9 +128,11 @@ def start_engine(config: GatewayConfig) -> subprocess.Popen:
         print(f"\rtokenweir: waiting for the engine on {url} ... {waited:4.0f}s", end="", flush=True)
         time.sleep(0.5)
     print(f"\rtokenweir: engine ready on {url} ({time.monotonic() - t0:.1f}s)          ", flush=True)
+    give_key(config, {url}, key)
     if config.pool(ec.model_name) is None:
-        models = httpx.get(url + "/v1/models", timeout=5.0).json()
-        config.pools.insert(0, _bundled_pool(ec, model_path, [UpstreamConfig(url)], models))
+        models = httpx.get(url + "/v1/models", timeout=5.0, headers={"authorization": f"Bearer {key}"}).json()
+        upstream = UpstreamConfig(url, name="engine-0", api_key=key)
+        config.pools.insert(0, _bundled_pool(ec, model_path, [upstream], models))
     return proc
 
 
@@ -129,6 +166,7 @@ class EngineReplicas:
         self.ec = ec
         self.model_path = model_path_of(ec)
         base = consecutive_free_ports(ec.replicas, start=ec.port)
+        self.key = engine_key(ec)
         self.supervisor = Supervisor(
             lambda index, port: engine_cmd(ec, self.model_path, port),
             ec.replicas,
@@ -138,6 +176,7 @@ class EngineReplicas:
             stable_s=ec.restart_stable_s,
             on_exit=self.on_exit,
             on_start=self.on_start,
+            spawn_kwargs={"env": engine_env(self.key)},
         )
         logging.getLogger("tokenweir.supervisor").setLevel(logging.ERROR)  # its exit warning: ours, in JSON
         self.instances: dict = {}  # child index -> gateway.upstream.Instance, once the app exists
@@ -180,9 +219,13 @@ class EngineReplicas:
                 if pending:
                     await asyncio.sleep(0.5)
             print(f"tokenweir: {len(children)} engines ready ({time.monotonic() - t0:.1f}s)", flush=True)
+            give_key(self.config, {self.url(c.port) for c in children}, self.key)
             if self.config.pool(self.ec.model_name) is None:
-                models = (await client.get(self.url(children[0].port) + "/v1/models", timeout=5.0)).json()
-                upstreams = [UpstreamConfig(self.url(c.port), name=self.name(c.index)) for c in children]
+                auth = {"authorization": f"Bearer {self.key}"}
+                models = (await client.get(self.url(children[0].port) + "/v1/models", headers=auth, timeout=5.0)).json()
+                upstreams = [
+                    UpstreamConfig(self.url(c.port), name=self.name(c.index), api_key=self.key) for c in children
+                ]
                 self.config.pools.insert(0, _bundled_pool(self.ec, self.model_path, upstreams, models))
 
     def attach(self, app) -> None:

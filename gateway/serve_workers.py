@@ -29,7 +29,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GatewayConfig
 
 STARTUP_FAILURE = 3  # uvicorn's exit status when the app's start-up fails
 
@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     import structlog
 
     from gateway.app import create_app
-    from gateway.cli import gateway_server
+    from gateway.cli import gateway_server, load_config_or_exit
     from gateway.logging import configure
 
-    config = worker_config(load_config(args.config, env={}), args.index)
+    config = worker_config(load_config_or_exit(args.config, env={}), args.index)
     configure(config.log_level)
     # Every log line says which worker wrote it (the request id alone does not).
     structlog.configure(processors=[_tag(args.index), *structlog.get_config()["processors"]])

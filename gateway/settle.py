@@ -23,6 +23,7 @@ from gateway.context import RequestContext, clip, request_scope
 from gateway.errors import APIError
 from gateway.events import EventWriter
 from gateway.http1 import HTTP1Pool
+from gateway.inflight import InflightJournal, journal_path
 from gateway.logging import get_logger
 from gateway.metrics import Metrics
 from gateway.outbox import StateOutbox
@@ -50,10 +51,19 @@ class Settler:
         usage,
         outbox: StateOutbox | None,
         counter: Callable[[str], TokenCounter],
+        journal: InflightJournal | None = None,
     ) -> None:
         self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
         self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
         self.outbox, self.counter = outbox, counter
+        # What each running request took and where it went, for a restart after this process dies (not opened:
+        # writes nothing, as in tests that build a Settler alone)
+        self.journal = journal or InflightJournal(journal_path(events.path))
+
+    def dispatched(self, ctx: RequestContext, hop) -> None:
+        """Dispatch is about to send an attempt to `hop` under `ctx.upstream_id`: journaled, so that a restart
+        after this process dies can ask that instance what it made."""
+        self.journal.hop(ctx, hop)
 
     def record_unadmitted(self, request: Request, err: APIError) -> None:
         """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
@@ -84,6 +94,7 @@ class Settler:
         if ctx.hop is not None:
             ctx.hop.done(ok, time.monotonic())
             self.metrics.in_flight.labels(ctx.model).dec()
+            ctx.upstream_error = ctx.hop.error or ctx.upstream_error
             ctx.hop = None
 
     async def close_stream(self, ctx: RequestContext) -> None:
@@ -110,7 +121,8 @@ class Settler:
         state = self.local if ctx.local_state else self.state
         if ctx.slot:
             ctx.slot = False
-            await self.state_change(state.release_slot(ctx.team_id, key_id=ctx.slot_key_id), ctx)
+            release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
+            await self.state_change(release, ctx)  # its own lease, the one it journaled
         try:
             prompt, completion, cached = self.billable(ctx)
         except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
@@ -132,6 +144,7 @@ class Settler:
                 key_id = ctx.reservation.key_id
                 self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
         self._guard(self.record, ctx, ts, prompt, completion, cached, cost)
+        self._guard(self.journal.done, ctx)  # right after the event, no await between: see InflightJournal.done
 
     def cost(self, ctx: RequestContext, prompt: int, completion: int, cached: int) -> int | None:
         """What the request cost in micro-USD at the prices of the pool that served it (None: unpriced)."""
@@ -217,9 +230,9 @@ class Settler:
             details = usage.get("prompt_tokens_details") or {}
             cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
-        if ctx.hop is None or ctx.dispatched_at is None:
-            return 0, 0, 0  # never reached an upstream
-        # An external upstream cut off before its usage chunk: count the text it relayed (a documented estimate).
+        if ctx.hop is None or ctx.dispatched_at is None:  # no hop served it: only what failed hops' engines made
+            ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
+            return 0, 0, 0
         completion = 0
         if ctx.chunks is not None and ctx.chunks.text:
             completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
@@ -253,6 +266,7 @@ class Settler:
                 "served_model": ctx.served_model,
                 "route": ctx.route,
                 "route_reason": ctx.route_reason,
+                "upstream_error": ctx.upstream_error,
                 "upstream_request_id": ctx.upstream_id or None,
                 "instance": ctx.route[-1] if ctx.route else None,
                 "priority": ctx.priority,

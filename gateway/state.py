@@ -53,11 +53,18 @@ class StateBackend(Protocol):
         cost: int = 0,
     ) -> Reservation: ...
 
+    # lease_id: the caller's name for the lease, to release that one (a shared state's; this process's ignore it)
     async def acquire_slot(
-        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+        self,
+        team_id: str,
+        max_concurrency: int | None,
+        *,
+        key_id: str | None = None,
+        key_max: int | None = None,
+        lease_id: str | None = None,
     ) -> bool: ...
 
-    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None: ...
+    async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None: ...
 
     def seed_spend(
         self,
@@ -241,10 +248,16 @@ class InMemoryState:
             return reservation.mark_settled(actual, cost, team_overshoot)
 
     async def acquire_slot(
-        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+        self,
+        team_id: str,
+        max_concurrency: int | None,
+        *,
+        key_id: str | None = None,
+        key_max: int | None = None,
+        lease_id: str | None = None,
     ) -> bool:
         """Take one of the team's concurrency slots (and one of the key's, given key_id); False if either is full.
-        Release it in a finally, with the same key_id."""
+        Release it in a finally, with the same key_id. (Slots here are counts: a lease_id names nothing.)"""
         subjects = [(self._team(team_id), max_concurrency)]
         if key_id is not None:
             subjects.append((self._key(key_id), key_max))
@@ -254,7 +267,7 @@ class InMemoryState:
             subject.in_flight += 1
         return True
 
-    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None:
+    async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None:
         # No await inside: completes even when called from a finally of a cancelled task.
         team = self._team(team_id)
         assert team.in_flight > 0, f"release_slot without acquire_slot for team {team_id}"

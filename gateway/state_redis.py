@@ -231,11 +231,18 @@ class RedisState:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
 
     async def acquire_slot(
-        self, team_id: str, max_concurrency: int | None, *, key_id: str | None = None, key_max: int | None = None
+        self,
+        team_id: str,
+        max_concurrency: int | None,
+        *,
+        key_id: str | None = None,
+        key_max: int | None = None,
+        lease_id: str | None = None,
     ) -> bool:
         """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
-        renewed in the background until released."""
-        lease_id = uuid.uuid4().hex
+        renewed in the background until released. `lease_id`: the caller's name for it (unique), chosen before
+        the call so that a restart after this process dies can release it by name (gateway/inflight.py)."""
+        lease_id = lease_id or uuid.uuid4().hex
         keys = [self._keys.key(team_id, "slots")]
         if key_id is not None:
             keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
@@ -260,13 +267,17 @@ class RedisState:
             self._renewer = asyncio.create_task(self._renew_loop())
         return True
 
-    async def release_slot(self, team_id: str, *, key_id: str | None = None) -> None:
-        """Drop one of this replica's leases. The local bookkeeping happens before the await, so a
+    async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None:
+        """Drop one of this replica's leases: `lease_id`, the one acquire_slot was given (the request's own, as its
+        journal names it), else the newest. The local bookkeeping happens before the await, so a
         cancellation during the round trip still frees the slot here; a failed call raises StateUnavailable with
         the release pending (for the outbox), and Redis lets the lease lapse by expiry meanwhile."""
         leases = self._leases.get((team_id, key_id))
         assert leases, f"release_slot without acquire_slot for team {team_id}"
-        lease_id = leases.pop()
+        if lease_id is None or lease_id not in leases:
+            lease_id = leases.pop()
+        else:
+            leases.remove(lease_id)
         if not leases:
             del self._leases[(team_id, key_id)]
         op = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}

@@ -266,15 +266,15 @@ class Store(UsageQueries):
     ) -> tuple[str, ApiKey]:
         """Returns (secret, key). The secret exists only in this return value: show it once.
 
-        `secret`: a well-formed tw- secret the operator chose (TOKENWEIR_ADMIN_KEY) instead of a fresh one; a key
-        with that secret already stored raises Conflict."""
+        `secret`: a strong secret the operator chose (TOKENWEIR_ADMIN_KEY, keys.secret_weakness) instead of a fresh
+        one; a key with that secret already stored raises Conflict."""
         assert team_id is not None or is_admin, "a key without a team must be an admin key"
         if isinstance(expires_at, str):
             expires_at = parse_ts(expires_at)
         if secret is None:
             secret = keys.generate_secret()
-        elif not keys.is_well_formed(secret):
-            raise ValueError("a key secret is 'tw-' and 43 characters of base64url (as `tw-` + token_urlsafe(32))")
+        elif (weakness := keys.secret_weakness(secret)) is not None:
+            raise ValueError(f"a key secret of your own is {keys.SECRET_RULE}; {weakness}")
         key_id = "key_" + secrets.token_hex(8)
         try:
             with self._tx() as db:

@@ -63,6 +63,10 @@ class Instance:
     def upstream_model(self, public_model: str) -> str:
         return self.cfg.model or public_model
 
+    def auth_headers(self) -> dict[str, str]:
+        """The instance's API key as a bearer header, on every call to it (requests, /abort, /load, /v1/models)."""
+        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
     def available(self, now: float) -> bool:
         """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe)."""
         if self.down_since is not None:
@@ -197,10 +201,17 @@ class Hop:
     model: str  # public model name of the pool this hop belongs to
     instance: Instance
     requested: str | None = None  # the model whose route plan this hop is in (another one: a fallback hop)
+    error: str | None = None  # why it failed, address included (gateway/relay.py `failed`): the event's, not tenants'
 
     @property
     def label(self) -> str:
+        """Pool and instance name: what events, metrics and tenants' errors show (never an address)."""
         return f"{self.model}@{self.instance.name}"
+
+    @property
+    def where(self) -> str:
+        """The label with the instance's address: for the log and the request's event, never a tenant."""
+        return f"{self.label} ({self.instance.cfg.base_url})"
 
     @property
     def fallback(self) -> bool:
@@ -277,7 +288,7 @@ class Upstreams:
         if inst.evicted_seq is not None and inst.evicted_epoch is not None:
             query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
         # None (unknown load) falls back to in-flight; failures count only on real requests
-        inst.load = await request_json(client, "GET", f"{inst.cfg.base_url}/load{query}")
+        inst.load = await request_json(client, "GET", f"{inst.cfg.base_url}/load{query}", headers=inst.auth_headers())
         if isinstance(inst.load, dict):
             if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
                 inst.mark_up()
@@ -289,7 +300,7 @@ class Upstreams:
 
 async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
     """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
-    models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models")
+    models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models", headers=inst.auth_headers())
     data = models.get("data") if isinstance(models, dict) else None
     value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -102,8 +102,9 @@ class FakeUpstream:
             self.fail_next = max(0, self.fail_next - 1)
             return await _json(send, 503, _err("upstream down", "service_unavailable", "unavailable"))
         knobs = req.get("fake") or {}
+        error = {"type": "invalid_request_error", "code": "injected", **(knobs.get("error") or {})}
         if knobs.get("status", 200) != 200:
-            return await _json(send, knobs["status"], _err("injected", "invalid_request_error", "injected"))
+            return await _json(send, knobs["status"], _err("injected", error["type"], error["code"]))
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id", b"").decode() or f"fake-{self.requests_seen}"
         if path == "/v1/embeddings":
@@ -170,6 +171,11 @@ class FakeUpstream:
         }
         if knobs.get("ttft_ms"):
             await asyncio.sleep(knobs["ttft_ms"] / 1000)
+        if knobs.get("error"):
+            record.status = "finished"
+            await _sse(send, orjson.dumps(_err("injected", knobs["error"]["type"], knobs["error"]["code"])))
+            await _sse(send, b"[DONE]")
+            return await send({"type": "http.response.body", "body": b"", "more_body": False})
         fail_after, itl = knobs.get("fail_after"), knobs.get("itl_ms", 0)
         n = _choices(req)
         for i in range(n_tokens):

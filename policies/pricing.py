@@ -8,7 +8,19 @@ a price in micro-USD per token, so a cost is just tokens x price, rounded up to 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+# USD per 1M tokens: about 10,000x the dearest model's price today, yet a whole context at it stays an exact integer
+# in a float (2**53 micro-USD), where inf or 1e308 would overflow the cost maths on every request.
+MAX_PRICE_PER_1M = 1e6
+
+
+def price_error(value: object) -> str | None:
+    """Why `value` cannot be a price in USD per 1M tokens (None: it can)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_PRICE_PER_1M:
+        return f"expected a number from 0 to {MAX_PRICE_PER_1M:.0f} (USD per 1M tokens), got {value!r}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +28,12 @@ class Prices:
     input_per_1m: float = 0.0
     output_per_1m: float = 0.0
     cached_per_1m: float | None = None  # None: cached prompt tokens cost the input price
+
+    def __post_init__(self) -> None:
+        for name in ("input_per_1m", "output_per_1m", "cached_per_1m"):
+            value = getattr(self, name)
+            if value is not None and (error := price_error(value)) is not None:
+                raise ValueError(f"{name}: {error}")
 
     def cost_micros(self, prompt: int, completion: int, cached: int = 0) -> int:
         """The cost of a finished request: cached prompt tokens at the cached price, the rest at the input price."""

@@ -24,6 +24,7 @@ from tests.serve_process import serve_process
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
+ENGINE_KEY = "e2e-engine-key"
 
 
 def metric(text: str, name: str) -> float:
@@ -38,6 +39,7 @@ def served(tmp_path_factory):
     env = {
         "TOKENWEIR_EVENTS__PATH": str(tmp / "events.jsonl"),
         "TOKENWEIR_USAGE_FLUSH_INTERVAL_S": "600",  # only the SIGTERM flush may write usage: it is under test
+        "TOKENWEIR_ENGINE_API_KEY": ENGINE_KEY,  # the engine's key (else a random one): this test reads its /load
     }
     with serve_process(args, env, timeout_s=240) as served:
         yield {
@@ -91,7 +93,7 @@ def test_openai_sdk_through_gateway_and_exact_books(served):
     # Settle: the dropped stream's abort reaches the engine, then every block must be free again.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        load = httpx.get(served["engine"] + "/load").json()
+        load = httpx.get(served["engine"] + "/load", headers={"authorization": f"Bearer {ENGINE_KEY}"}).json()
         if load["num_running"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]:
             break
         time.sleep(0.2)

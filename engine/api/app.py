@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.api.auth import ApiKeyMiddleware
 from engine.api.errors import add_error_handlers
 from engine.api.routes import router
 from engine.async_engine import AsyncEngine
@@ -16,9 +17,10 @@ from engine.async_engine import AsyncEngine
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def build_app(async_engine: AsyncEngine) -> FastAPI:
+def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     """Under uvicorn, the lifespan starts and stops the engine loop; a test driving the app through
-    httpx.ASGITransport (no lifespan) calls `async_engine.start()` itself."""
+    httpx.ASGITransport (no lifespan) calls `async_engine.start()` itself. With `api_key`, every route but /health
+    and /metrics needs it as a bearer key (engine/api/auth.py)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -30,7 +32,9 @@ def build_app(async_engine: AsyncEngine) -> FastAPI:
             async_engine.stop()
 
     app = FastAPI(title="tokenweir engine", lifespan=lifespan)
-    app.add_middleware(RequestIdMiddleware)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a refused request still gets its id
     app.state.async_engine = async_engine  # what the routes' `Engine` dependency reads
     add_error_handlers(app)
     app.include_router(router)

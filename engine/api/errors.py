@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError
-from engine.llm_engine import RequestError
+from engine.llm_engine import RequestError, RequestFailed
 from gateway.errors import APIError, validation_error
 
 __all__ = ["APIError", "add_error_handlers", "to_api_error"]
@@ -42,8 +42,13 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, StarletteHTTPException):  # no such route or method
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return APIError(exc.status_code, str(exc.detail), code)
-    if not isinstance(exc, EngineDeadError):  # expected once the loop died; anything else is a bug worth a trace
-        log.error("engine error", exc_info=exc)
+    if isinstance(exc, RequestFailed):  # logged where it failed; the engine goes on
+        return APIError(500, str(exc), exc.code)
+    if isinstance(exc, EngineDeadError):
+        if exc.in_flight:  # it was running when the loop died: perhaps the cause, so not to be retried elsewhere
+            return APIError(500, f"engine error: {exc}", "engine_loop_died")
+        return APIError(503, f"engine error: {exc}; it is restarting, retry", "engine_dead")
+    log.error("engine error", exc_info=exc)  # anything else is a bug worth a trace
     return APIError(500, f"engine error: {exc}", "engine_error")
 
 

@@ -605,13 +605,16 @@ async def test_request_id_is_reusable_after_abort_and_disconnect(served):
         assert again.json()["usage"]["completion_tokens"] == 2
 
 
-async def test_engine_fault_is_a_500_engine_error_and_unhealthy(served, monkeypatch):
-    """The one 500 there is: the engine itself failing (injected into its step). A stream in flight ends with an
-    error event, a new request gets 500 engine_error, and /health turns 503 so a gateway stops routing here."""
+async def test_engine_fault_fails_requests_in_flight_and_refuses_new_ones_as_dead(served, monkeypatch):
+    """The engine itself failing (injected into its step). A stream in flight ends with a 500 engine_loop_died error
+    event (it may have caused it: a router must not retry it elsewhere), a new request gets 503 engine_dead (it never
+    ran: another engine may serve it), and /health turns 503 so a gateway stops routing here."""
 
     def broken_step():
         raise RuntimeError("injected fault")
 
+    died: list[BaseException] = []
+    served.engine.on_dead = died.append  # the server's: SIGTERM itself, then exit non-zero to be restarted
     body = {"model": served.model, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
     async with served.client.stream("POST", "/v1/completions", json=body) as response:
         live = LiveStream(response)
@@ -619,11 +622,13 @@ async def test_engine_fault_is_a_500_engine_error_and_unhealthy(served, monkeypa
         monkeypatch.setattr(served.engine.engine, "step", broken_step)
         events = await live.rest()
     assert events[-1] == "[DONE]"
+    assert len(died) == 1 and "injected fault" in repr(died[0])
     error = events[-2]["error"]
-    assert error["code"] == "engine_error" and error["type"] == "server_error" and "injected fault" in error["message"]
+    assert error["code"] == "engine_loop_died" and error["type"] == "server_error"
+    assert "injected fault" in error["message"]
     r = await served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, headers={"X-Request-Id": "f1"})
-    assert r.status_code == 500 and r.headers["x-request-id"] == "f1"
-    assert r.json()["error"]["code"] == "engine_error" and "injected fault" in r.json()["error"]["message"]
+    assert r.status_code == 503 and r.headers["x-request-id"] == "f1"
+    assert r.json()["error"]["code"] == "engine_dead" and "injected fault" in r.json()["error"]["message"]
     health = await served.client.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
 

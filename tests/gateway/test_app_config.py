@@ -53,7 +53,7 @@ def test_yaml_pools_and_env_overrides(tmp_path):
     config = load_config(path, env=env)
     assert config.port == 9001 and config.timeouts.ttft_s == 2.5 and config.engine.enabled is False
     (up,) = config.pool("m").upstreams
-    assert (up.base_url, up.engine, up.model, up.name) == ("http://a:1", False, "up", "http://a:1")
+    assert (up.base_url, up.engine, up.model, up.name) == ("http://a:1", False, "up", "m-0")  # never its address
 
 
 def test_toml_and_upstream_shortcut(tmp_path):

@@ -48,8 +48,16 @@ def stack(tmp_path_factory):
             events=EventsConfig(path=str(tmp / "events.jsonl"), flush_interval_s=0.05),
             usage_flush_interval_s=0.1,
         )
+        admin, _ = store.create_key(None, "ops", is_admin=True)  # /health lists instances to an admin only
         with serve_app(config, store=store) as gw:
-            yield {"fake": fake, "store": store, "url": gw.url, "events": tmp / "events.jsonl", "app": gw.app}
+            yield {
+                "fake": fake,
+                "store": store,
+                "url": gw.url,
+                "events": tmp / "events.jsonl",
+                "app": gw.app,
+                "admin": {"authorization": f"Bearer {admin}"},
+            }
     store.close()
 
 
@@ -144,7 +152,7 @@ async def test_fallback_hop_before_first_byte_and_breaker_opens(stack):
     assert routes[:3] == [["primary@dead", "backup@good"]] * 3
     assert routes[3] == ["backup@good"], "after 3 failures the dead instance's circuit is open: not tried"
     assert all(events[i]["status"] == "ok" and events[i]["instance"] == "backup@good" for i in ids)
-    async with httpx.AsyncClient(base_url=stack["url"]) as http:
+    async with httpx.AsyncClient(base_url=stack["url"], headers=stack["admin"]) as http:
         health = (await http.get("/health")).json()
     assert health["pools"]["primary"][0]["circuit"] == "open"
 
@@ -223,6 +231,6 @@ async def test_pool_timeouts_open_the_circuit_but_a_teams_tighter_limit_does_not
     _, impatient = make_team(stack, ttft_timeout_s=0.2)
     codes = await stream_timeouts(impatient, "hangs-for-a-team", 4)
     assert codes == ["504 timeout"] * 4, "the team's own limit fired: the shared instance is not to blame"
-    async with httpx.AsyncClient(base_url=stack["url"]) as http:
+    async with httpx.AsyncClient(base_url=stack["url"], headers=stack["admin"]) as http:
         pools = (await http.get("/health")).json()["pools"]
     assert (pools["hangs"][0]["circuit"], pools["hangs-for-a-team"][0]["circuit"]) == ("open", "closed")

@@ -78,7 +78,7 @@ def test_compose_topology():
         "grafana",
     ):
         assert name in services, name
-    public = [n for n, s in services.items() if s.get("ports") and n not in ("prometheus", "grafana")]
+    public = [n for n, s in services.items() if s.get("ports") and n != "grafana"]
     assert public == ["nginx"], f"only nginx is the public entry point: {public}"
     events = set()
     for name in ("gateway-1", "gateway-2"):
@@ -94,6 +94,43 @@ def test_compose_topology():
     assert config["store_url"].startswith("postgresql://") and "@postgres:" in config["store_url"]
     assert config["pools"][0]["tokenizer"] == "default"
     assert {u["base_url"] for u in config["pools"][0]["upstreams"]} == {"http://engine-1:8100", "http://engine-2:8100"}
+
+
+def networks_of(svc: dict) -> set[str]:
+    nets = svc.get("networks") or ["default"]
+    return set(nets if isinstance(nets, list) else nets)
+
+
+def test_compose_keeps_the_backend_internal_and_publishes_only_nginx_and_a_read_only_grafana():
+    spec = compose()
+    services, networks = spec["services"], spec.get("networks") or {}
+    internal = {n for n, net in networks.items() if (net or {}).get("internal") is True}
+    assert internal, "an internal network (no published ports, no way out) for the backend"
+    for name in ("postgres", "redis", "engine-1", "engine-2", "gateway-1", "gateway-2", "prometheus"):
+        svc = services[name]
+        assert networks_of(svc) <= internal, f"{name} must sit on internal networks only: {networks_of(svc)}"
+        assert not svc.get("ports"), f"{name} must publish no port: {svc.get('ports')}"
+    assert networks_of(services["nginx"]) & internal and networks_of(services["nginx"]) - internal
+    assert services["nginx"]["ports"] == ["8080:8080"]
+    grafana = services["grafana"]
+    assert [str(p).rsplit(":", 2)[0] for p in grafana["ports"]] == ["127.0.0.1"], "Grafana on the loopback only"
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"
+    prometheus = " ".join(services["prometheus"]["command"])
+    assert "--web.enable-lifecycle" not in prometheus and "--web.enable-admin-api" not in prometheus
+
+
+def test_compose_engines_need_an_api_key_that_the_gateways_send():
+    services = compose()["services"]
+    for name in ("engine-1", "engine-2", "gateway-1", "gateway-2"):
+        value = services[name]["environment"][render.ENGINE_KEY_ENV]
+        assert value.startswith(f"${{{render.ENGINE_KEY_ENV}:?"), f"{name}: the key is required, never defaulted"
+    for name in ("engine-1", "engine-2"):
+        assert "--api-key" not in services[name]["command"], "a key in argv is visible to `ps` and inspect"
+    upstreams = yaml.safe_load((ROOT / "deploy" / "gateway.yaml").read_text())["pools"][0]["upstreams"]
+    assert {u.get("api_key_env") for u in upstreams} == {render.ENGINE_KEY_ENV}
+    assert "--api-key" in help_flags("engine.server")
 
 
 def test_compose_commands_use_existing_cli_flags():
@@ -149,13 +186,16 @@ def test_rendered_files_are_current_and_valid(tmp_path):
     from gateway.config import load_config
 
     assert render.main(["--check"]) == 0, "run python -m deploy.render"
-    config = load_config(ROOT / "deploy" / "gateway.yaml", env={})
+    config = load_config(ROOT / "deploy" / "gateway.yaml", env={render.ENGINE_KEY_ENV: "k3y"})
     assert [u.name for u in config.pools[0].upstreams] == ["engine-1", "engine-2"]
+    assert {u.api_key for u in config.pools[0].upstreams} == {"k3y"}
+    with pytest.raises(ValueError, match=f"api_key_env names {render.ENGINE_KEY_ENV}, which is not set"):
+        load_config(ROOT / "deploy" / "gateway.yaml", env={})
     local = render.gateway_config(
         [("e", "http://127.0.0.1:1")], store_url="sqlite:///x.db", state_url="redis://h/0", events_path="/tmp/e.jsonl"
     )
     (tmp_path / "g.yaml").write_text(yaml.safe_dump(local))
-    load_config(tmp_path / "g.yaml", env={})
+    load_config(tmp_path / "g.yaml", env={render.ENGINE_KEY_ENV: "k3y"})
     promtool = shutil.which("promtool")
     if promtool:
         for args in (
