@@ -3,9 +3,12 @@
 `capacity` dispatch slots are shared by all teams. A request takes a slot at once if one is free and
 nobody waits; otherwise it waits as a future in its team's FIFO inside its priority band. When a slot frees,
 the lowest band with waiters is served, and inside it the team with the lowest stride pass (weighted
-fairness). The number of waiters is bounded (`queue_full` at once) and each waiter has a deadline
-(`queue_timeout`). A waiter cancelled or timed out while queued is removed; if a slot was handed to it in
-that same instant, the slot is passed on.
+fairness). The number of waiters is bounded and each waiter has a deadline (`queue_timeout`). At the bound a
+request of a higher band takes the place of the latest-arrived waiter of the lowest-priority band below its own
+(policies/priority.py `pick_displaced`), which is shed at once with `displaced` (429 + Retry-After) and holds
+nothing here; a request of the same or a lower band than every waiter is refused with `queue_full`. A waiter
+cancelled or timed out while queued is removed; if a slot was handed to it in that same instant, the slot is
+passed on.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from policies.decisions import Rejected
 from policies.limits import PRIORITY_STANDARD
-from policies.priority import StrideScheduler, band_of
+from policies.priority import StrideScheduler, band_of, pick_displaced
 from policies.retry import queue_retry_after
 
 _ids = itertools.count(1)
@@ -45,6 +48,7 @@ class _Waiter:
     ticket: Ticket
     future: asyncio.Future
     queued: bool = True
+    shed: Rejected | None = None  # set when displaced: its future then resolves to None, never to a ticket
 
 
 @dataclass
@@ -66,18 +70,20 @@ class DispatchQueue:
         self._mean_hold_s = hold_estimate_s  # EWMA of how long a slot is held, for Retry-After
         self.dispatched = 0
         self.rejected_full = 0
+        self.displaced = 0
         self.timed_out = 0
         self.cancelled = 0
 
     async def acquire(self, team_id: str, priority: int, weight: int = 1, timeout_s: float | None = None) -> Ticket:
-        """Wait for a dispatch slot: Rejected('queue_full') at once, ('queue_timeout') at the deadline."""
+        """Wait for a dispatch slot: Rejected('queue_full') at once, ('queue_timeout') at the deadline,
+        ('displaced') when a request of a higher band takes this one's place in a full queue."""
         assert weight >= 1
         # clamp into the known bands: a client-chosen priority must not mint new bands (memory, O(bands) work)
         ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic())
         if self._queued == 0 and self._in_use < self.capacity:
             self._grant(ticket)
             return ticket
-        if self._queued >= self.max_queued:
+        if self._queued >= self.max_queued and not self._displace_for(ticket.priority):
             self.rejected_full += 1
             retry = queue_retry_after(self._queued, self.capacity, self._mean_hold_s)
             msg = (
@@ -91,6 +97,10 @@ class DispatchQueue:
             async with asyncio.timeout(timeout_s):
                 await waiter.future
         except BaseException as exc:
+            if waiter.shed is not None:  # displaced in the instant its deadline or its client's leaving came
+                if isinstance(exc, TimeoutError):
+                    raise waiter.shed from None
+                raise
             self._abandon(waiter)
             if isinstance(exc, TimeoutError):
                 self.timed_out += 1
@@ -102,6 +112,8 @@ class DispatchQueue:
                 raise Rejected("queue_timeout", msg, retry) from None
             self.cancelled += 1
             raise
+        if waiter.shed is not None:
+            raise waiter.shed
         return ticket
 
     def release(self, ticket: Ticket) -> None:
@@ -132,6 +144,7 @@ class DispatchQueue:
             "in_use_by_team": dict(self._in_use_by_team),
             "dispatched": self.dispatched,
             "rejected_full": self.rejected_full,
+            "displaced": self.displaced,
             "timed_out": self.timed_out,
             "cancelled": self.cancelled,
             "mean_hold_s": round(self._mean_hold_s, 4),
@@ -174,11 +187,37 @@ class DispatchQueue:
             band = self._bands[waiter.ticket.priority]
             band.waiters[waiter.ticket.team_id].remove(waiter)
             self._unlink(waiter, band)
-        elif waiter.future.done() and not waiter.future.cancelled():
+        elif waiter.future.done() and not waiter.future.cancelled() and waiter.shed is None:
             # granted in the same instant it gave up: the next waiter gets the slot (a zero-length hold
             # says nothing about service time, so it stays out of the Retry-After estimate)
             self._free(waiter.ticket)
             self._dispatch()
+
+    def _displace_for(self, priority: int) -> bool:
+        """Make room in the full queue for a request of `priority` by shedding a waiter of a lower band, if any."""
+        # Each team's FIFO ends with its latest arrival, so the last live waiter of each is the only candidate;
+        # a cancelled one still queued (its task not yet resumed) leaves by itself and is no one's to shed.
+        latest = (
+            next((w for w in reversed(fifo) if not w.future.done()), None)
+            for band in self._bands.values()
+            for fifo in band.waiters.values()
+        )
+        victim = pick_displaced(priority, ((w.ticket.priority, w.ticket.id, w) for w in latest if w is not None))
+        if victim is None:
+            return False
+        band = self._bands[victim.ticket.priority]
+        band.waiters[victim.ticket.team_id].remove(victim)
+        self._unlink(victim, band)
+        self.displaced += 1
+        retry = queue_retry_after(self._queued, self.capacity, self._mean_hold_s)
+        victim.shed = Rejected(
+            "displaced",
+            f"The server is at capacity: the queue is full ({self.max_queued} requests) and this request, of priority "
+            f"{victim.ticket.priority}, gave its place to one of priority {priority}. Retry after {retry}s.",
+            retry,
+        )
+        victim.future.set_result(None)
+        return True
 
     def _dispatch(self) -> None:
         while self._queued and self._in_use < self.capacity:

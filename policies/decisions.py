@@ -5,13 +5,15 @@ from __future__ import annotations
 from policies.retry import retry_after
 
 # Why a request was shed -> the HTTP status the gateway answers with. Over-quota is the client's to fix (429); a
-# full queue also asks the client to back off and retry (429, as OpenAI answers when it is overloaded); a queue
-# deadline is the gateway being too slow (503); a request over its length caps is bad input (400).
+# full queue also asks the client to back off and retry (429, as OpenAI answers when it is overloaded), and so does
+# a waiter displaced from a full queue by a higher-priority request; a queue deadline is the gateway being too slow
+# (503); a request over its length caps is bad input (400).
 REASON_STATUS = {
     "rate_limited": 429,
     "budget_exhausted": 429,
     "concurrency": 429,
     "queue_full": 429,
+    "displaced": 429,
     "queue_timeout": 503,
     "too_long": 400,
 }

@@ -4,15 +4,23 @@ Bands are strict: lower priority value runs first and a band never dispatches wh
 Inside a band, stride scheduling gives each team a share proportional to its weight: every dispatch advances
 the team's pass by stride = BIG / weight and the lowest pass goes next. A team that becomes active again
 starts no lower than the band's current minimum pass, so idling cannot bank credit for a later burst.
+
+A full queue sheds from the bottom, not at the door: a request of a higher band (lower number) displaces the
+latest-arrived waiter of the lowest-priority band below its own (`pick_displaced`), so a batch team filling the
+queue cannot refuse a critical request; a request of the same or a lower band than every waiter is refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL
 
 BIG = 1 << 40  # large so that strides of realistic weights are exact integers, no float drift
+
+T = TypeVar("T")
 
 
 def band_of(priority: int | None, default: int) -> int:
@@ -20,6 +28,17 @@ def band_of(priority: int | None, default: int) -> int:
     if priority is None:
         return default
     return min(max(int(priority), PRIORITY_CRITICAL), PRIORITY_BATCH)
+
+
+def pick_displaced(band: int, waiters: Iterable[tuple[int, int, T]]) -> T | None:
+    """Who leaves a full queue so that a request of `band` may wait: of `waiters` as (band, arrival, who), the one
+    in the lowest band strictly below `band` (highest number), latest arrival first; None when no waiter's band
+    is below it (the newcomer is refused instead: the same band never displaces, so arrival order holds)."""
+    victim = None
+    for w_band, arrival, who in waiters:
+        if w_band > band and (victim is None or (w_band, arrival) > victim[:2]):
+            victim = (w_band, arrival, who)
+    return None if victim is None else victim[2]
 
 
 def stride_of(weight: int) -> int:

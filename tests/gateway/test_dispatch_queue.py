@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -282,4 +283,108 @@ async def test_out_of_range_priorities_fall_into_the_edge_bands():
     assert first.priority == 0
     q.release(first)
     q.release(await asyncio.wait_for(low, 1))
+    assert_drained(q)
+
+
+async def fill(q: DispatchQueue, waiters: list[tuple[str, int]]) -> list[asyncio.Task]:
+    """Queue each (team, priority) in order, one event-loop turn apart, so arrival order is the list's order."""
+    tasks = []
+    for team, priority in waiters:
+        tasks.append(asyncio.create_task(q.acquire(team, priority, timeout_s=30)))
+        await settle_loop()
+    return tasks
+
+
+async def test_full_queue_sheds_the_latest_lowest_band_waiter_for_a_higher_band():
+    q = DispatchQueue(capacity=2, max_queued=4)
+    running = [await q.acquire("batch", 2), await q.acquire("batch", 2)]
+    queued = await fill(q, [("batch", 2), ("std", 1), ("batch", 2), ("std", 1)])
+    critical = asyncio.create_task(q.acquire("crit", 0, timeout_s=30))
+    await settle_loop()
+    with pytest.raises(Rejected) as info:
+        await asyncio.wait_for(queued[2], 1)  # batch, and the later of the two batch waiters
+    err = info.value
+    assert (err.reason, err.status) == ("displaced", 429)
+    assert err.retry_after_s >= 1 and err.headers["retry-after"] == str(err.retry_after_s)
+    assert "priority 2" in err.message and "priority 0" in err.message
+    s = q.stats()
+    assert (s["queued"], s["displaced"], s["rejected_full"]) == (4, 1, 0)
+    assert s["queued_by_team"] == {"batch": 1, "std": 2, "crit": 1}
+    assert s["in_use_by_team"] == {"batch": 2}, "a displaced waiter never held a slot"
+    order = []
+    for ticket in running:
+        q.release(ticket)
+    for task in (critical, queued[1], queued[3], queued[0]):  # bands in order, FIFO inside each
+        ticket = await asyncio.wait_for(task, 1)
+        order.append((ticket.team_id, ticket.priority))
+        q.release(ticket)
+    assert order == [("crit", 0), ("std", 1), ("std", 1), ("batch", 2)]
+    assert_drained(q)
+
+
+async def test_full_queue_still_refuses_a_request_no_higher_than_every_waiter():
+    q = DispatchQueue(capacity=1, max_queued=2)
+    blocker = await q.acquire("x", 0)
+    queued = await fill(q, [("a", 1), ("b", 1)])
+    for priority in (1, 2):  # the same band, then a lower one: nothing to displace
+        with pytest.raises(Rejected) as info:
+            await q.acquire("late", priority, timeout_s=30)
+        assert info.value.reason == "queue_full"
+    s = q.stats()
+    assert (s["queued"], s["displaced"], s["rejected_full"]) == (2, 0, 2)
+    assert not any(t.done() for t in queued)
+    q.release(blocker)
+    for task in queued:
+        q.release(await asyncio.wait_for(task, 1))
+    assert_drained(q)
+
+
+async def test_a_cancelled_waiter_still_queued_is_not_the_one_displaced():
+    q = DispatchQueue(capacity=1, max_queued=2)
+    blocker = await q.acquire("x", 0)
+    early, late = await fill(q, [("batch", 2), ("batch", 2)])
+    critical = asyncio.create_task(q.acquire("crit", 0, timeout_s=30))  # runs before `late` resumes:
+    late.cancel()  # its future is cancelled, but it is still queued until its task runs
+    with pytest.raises(Rejected) as info:
+        await asyncio.wait_for(early, 1)
+    assert info.value.reason == "displaced"
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    s = q.stats()
+    assert (s["queued"], s["displaced"], s["cancelled"]) == (1, 1, 1)
+    q.release(blocker)
+    q.release(await asyncio.wait_for(critical, 1))
+    assert_drained(q)
+
+
+async def test_displaced_in_the_instant_of_its_deadline_is_shed_once_as_displaced():
+    q = DispatchQueue(capacity=1, max_queued=1)
+    blocker = await q.acquire("x", 0)
+    batch = asyncio.create_task(q.acquire("batch", 2, timeout_s=0.2))
+    await settle_loop()
+    critical = asyncio.create_task(q.acquire("crit", 0, timeout_s=30))
+    time.sleep(0.25)  # block the loop: the critical request's first step and the batch deadline are both due now
+    with pytest.raises(Rejected) as info:
+        await asyncio.wait_for(batch, 1)
+    s = q.stats()
+    assert (info.value.reason, s["displaced"], s["timed_out"], s["in_use"]) == ("displaced", 1, 0, 1)
+    q.release(blocker)
+    q.release(await asyncio.wait_for(critical, 1))
+    assert_drained(q)
+
+
+async def test_displaced_in_the_instant_its_client_leaves_is_cancelled_and_holds_nothing():
+    q = DispatchQueue(capacity=1, max_queued=1)
+    blocker = await q.acquire("x", 0)
+    (batch,) = await fill(q, [("batch", 2)])
+    critical = asyncio.create_task(q.acquire("crit", 0, timeout_s=30))
+    await asyncio.sleep(0)  # the critical request displaces `batch`, whose task has not resumed yet ...
+    assert q.stats()["displaced"] == 1
+    batch.cancel()  # ... when its client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    s = q.stats()
+    assert (s["queued"], s["in_use"], s["cancelled"]) == (1, 1, 0)
+    q.release(blocker)
+    q.release(await asyncio.wait_for(critical, 1))
     assert_drained(q)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL, PRIORITY_STANDARD
-from policies.priority import BIG, StrideScheduler, band_of, stride_of
+from policies.priority import BIG, StrideScheduler, band_of, pick_displaced, stride_of
 
 
 def test_band_of_clamps_and_defaults():
@@ -96,3 +96,24 @@ def test_served_while_inactive_is_a_bug():
     s = StrideScheduler()
     with pytest.raises(AssertionError):
         s.served("ghost")
+
+
+def test_a_higher_band_displaces_the_latest_arrival_of_the_lowest_band_below_it():
+    waiters = [(1, 1, "std-early"), (2, 2, "batch-early"), (2, 5, "batch-late"), (1, 7, "std-late"), (0, 9, "crit")]
+    assert pick_displaced(PRIORITY_CRITICAL, waiters) == "batch-late"
+    assert pick_displaced(PRIORITY_STANDARD, waiters) == "batch-late"
+
+
+def test_only_bands_strictly_below_the_newcomer_can_be_displaced():
+    waiters = [(1, 1, "std-early"), (1, 4, "std-late"), (0, 9, "crit")]
+    assert pick_displaced(PRIORITY_CRITICAL, waiters) == "std-late"
+    assert pick_displaced(PRIORITY_STANDARD, waiters) is None, "the same band never displaces: arrival order holds"
+    assert pick_displaced(PRIORITY_BATCH, waiters) is None
+    assert pick_displaced(PRIORITY_CRITICAL, [(0, 1, "crit")]) is None
+    assert pick_displaced(PRIORITY_CRITICAL, []) is None
+
+
+def test_displacement_does_not_depend_on_the_order_waiters_are_listed_in():
+    waiters = [(2, arrival, f"b{arrival}") for arrival in (3, 11, 7)] + [(1, 20, "s20")]
+    for order in (waiters, waiters[::-1], sorted(waiters, key=lambda w: w[2])):
+        assert pick_displaced(PRIORITY_CRITICAL, order) == "b11"
