@@ -42,6 +42,7 @@ from gateway.services import Services, ServicesDep
 from gateway.state import StateUnavailable
 from policies.budget import DAY, MONTH, period_start_day
 from policies.pricing import micros_to_usd
+from policies.snapshot import with_limits
 
 router = APIRouter(
     prefix="/admin",
@@ -139,7 +140,7 @@ async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
     backend = services.state
     if backend is not None:
         try:
-            live = await backend.read_snapshot(team_id)
+            live = with_limits(await backend.read_snapshot(team_id), limits)
         except StateUnavailable as e:
             live_error = f"state_unavailable: {e}"
     return TeamState(

@@ -2,7 +2,8 @@
 their live counters, and what is left to it now, the tighter of the two.
 
 The live counters are the state backend's snapshots (policies.snapshot's shape, the one /admin/teams/{id}/state
-shows); a key without limits of its own has no counters of its own, only its team's.
+shows), read under the limits as they are now (the key's auth lookup), not as the backend last saw them at a
+reserve: a limit set a moment ago shows what is left of it at once. A key's spend is counted limits or not.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from gateway.auth import Principal
 from gateway.errors import APIError
 from gateway.services import Services
 from gateway.state import StateUnavailable
+from policies.limits import KeyLimits
+from policies.snapshot import with_limits
 
 # What `remaining` reports: (its name, where the snapshot keeps it).
 _REMAINING = (
@@ -48,9 +51,9 @@ async def key_info(services: Services, principal: Principal) -> dict:
     try:
         if services.state is None:
             raise StateUnavailable("no state backend")
-        team_state = await services.state.read_snapshot(team.id)
-        if key.limits is not None and (key.limits.counted or key.limits.max_concurrency is not None):
-            key_state = await services.state.read_snapshot(team.id, key_id=key.id)
+        team_state = with_limits(await services.state.read_snapshot(team.id), team.limits)
+        key_state = await services.state.read_snapshot(team.id, key_id=key.id)
+        key_state = with_limits(key_state, key.limits or KeyLimits())
     except StateUnavailable as e:
         error = f"state_unavailable: {e}"
     return {

@@ -1,5 +1,6 @@
-"""In-process live state: rate windows, budget reservations and concurrency slots per team, and per API key for
-keys with limits of their own (a second subject, counted by the same rules, taken in the same step).
+"""In-process live state: rate windows, budget reservations and concurrency slots per team, and per API key (a
+second subject, counted by the same rules, taken in the same step). A key's spend is counted whether or not it has
+limits, so a budget an admin adds mid-period starts from what the key already spent, not from zero.
 
 One asyncio.Lock makes check-then-take atomic across all of a team's (and its key's) counters, so any
 number of concurrent reserves admit exactly what the limits allow. The method set is what a Redis backend
@@ -25,8 +26,9 @@ class StateBackend(Protocol):
     """Live limits state: `InMemoryState` (one process) and `RedisState` (replicas sharing Redis) both are one.
 
     reserve: take 1 request on rpm and prompt + max_tokens on tpm and the day / month budgets (and `cost` micro-USD on
-    the spend budgets), all or nothing (raises `Rejected`); with `key_limits` the API key is a second subject whose
-    counters are checked and taken in the same atomic step (the tighter wins). settle: turn the hold into actual
+    the spend budgets), all or nothing (raises `Rejected`); with `key_id` the API key is a second subject whose
+    counters are checked (against `key_limits`, None: none of its own) and taken in the same atomic step (the
+    tighter wins). settle: turn the hold into actual
     spend on every subject it took from, refunding the rest (idempotent); acquire_slot / release_slot: the team's
     (and the key's) concurrency slots. A backend that cannot be reached raises `StateUnavailable`."""
 
@@ -85,6 +87,9 @@ class StateBackend(Protocol):
     async def ping(self) -> None: ...
 
 
+_NO_KEY_LIMITS = KeyLimits()
+
+
 class StateUnavailable(Exception):
     """The shared state backend cannot be reached (or did not answer in time).
 
@@ -134,7 +139,7 @@ class InMemoryState:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._teams: dict[str, _Team] = {}
-        self._keys: dict[str, _Team] = {}  # API keys with limits of their own, by key id
+        self._keys: dict[str, _Team] = {}  # API keys' own counters, by key id
 
     def _team(self, team_id: str) -> _Team:
         team = self._teams.get(team_id)
@@ -161,15 +166,16 @@ class InMemoryState:
         cost: int = 0,
     ) -> Reservation:
         """Take 1 request on rpm and prompt + max_tokens on tpm and day / month budgets (cost on the spend
-        budgets), from the team and, if it has limits, the key: all or nothing."""
+        budgets), from the team and, given key_id, the key: all or nothing."""
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         n = prompt_tokens + max_tokens
         async with self._lock:
             now = self._clock() if now is None else now
             subjects = [(self._team(team_id), limits)]
-            counted_key = key_id if key_limits is not None and key_limits.counted else None
+            # A key without limits is still counted: a limit added later must see what it already spent.
+            counted_key = key_id
             if counted_key is not None:
-                subjects.append((self._key(counted_key), key_limits))
+                subjects.append((self._key(counted_key), key_limits or _NO_KEY_LIMITS))
             for subject, subject_limits in subjects:
                 subject.sync_limits(subject_limits)
             headers = _merged_headers([s for s, _ in subjects], now)
@@ -301,7 +307,8 @@ class InMemoryState:
 
     def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
         """Live counters for the admin API and metrics (a team never seen reads as all zeros); with key_id, that
-        API key's own counters (those of a key with limits)."""
+        API key's own counters. Limits are those of the last reserve: `policies.snapshot.with_limits` applies
+        the current ones."""
         now = self._clock() if now is None else now
         team = (self._keys.get(key_id) if key_id is not None else self._teams.get(team_id)) or _Team()
         return team_snapshot(

@@ -133,8 +133,9 @@ class RedisState:
         n = prompt_tokens + max_tokens
         _, _, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now)
         res_id = uuid.uuid4().hex
-        counted_key = key_id if key_limits is not None and key_limits.counted else None
-        subjects = [(None, limits)] + ([(counted_key, key_limits)] if counted_key is not None else [])
+        # A key without limits is still counted: a limit added later must see what it already spent.
+        counted_key = key_id
+        subjects = [(None, limits)] + ([(counted_key, key_limits or KeyLimits())] if counted_key is not None else [])
         keys: list = []
         args = script_args(
             RESERVE_ARGV,

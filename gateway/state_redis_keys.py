@@ -1,7 +1,7 @@
 """Where `RedisState` keeps its state in Redis: the key layout, and the names of a team's and an API key's keys.
 
 Layout per team (a `{team}` hash tag keeps a team's keys in one cluster slot), and the same again under
-`key:<key_id>:` for an API key with limits of its own (same hash tag: the team and its key are checked and taken in
+`key:<key_id>:` for each API key, limits or not (same hash tag: the team and its key are checked and taken in
 one script):
   rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
   day:<key> month:<key>  hash spent / reserved / overshoot (tokens) and cost_spent / cost_reserved /

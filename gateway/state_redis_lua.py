@@ -43,7 +43,7 @@ end
 # ARGV[4..10] of both the reserve and the settle script: the rate window's slots, the budget periods, the hold's id.
 WINDOW_ARGV = ("slot_s", "slots", "day_period", "month_period", "day_expire_s", "month_expire_s", "res_id")
 
-# Take a hold on every subject (the team; then the API key, when it has limits of its own): rate windows, then
+# Take a hold on every subject (the team; then the API key, whose spend is counted limits or not): rate windows, then
 # token and spend budgets, all checked before anything is taken; reaps expired holds first. Returns
 # {code, detail, subject, rpm_used, tpm_used, ...one pair per subject}: code 0 taken, 1 rpm (detail: wait s),
 # 2 tpm (wait s, -1 never), 3 day / 4 month token budget, 5 day / 6 month spend budget (detail: what is left);
@@ -100,8 +100,11 @@ for i, s in ipairs(subjects) do
     end
     redis.call('ZREM', s.holds_zset, id)
   end
-  s.rpm_used, s.rpm_live = window(s.rpm_window, cur - slots)
-  s.tpm_used, s.tpm_live = window(s.tpm_window, cur - slots)
+  -- a key's window is kept only under a limit of its own (as InMemoryState keeps it): its spend is what must last
+  s.rpm_on, s.tpm_on = i == 1 or tonumber(s.rpm_text) >= 0, i == 1 or tonumber(s.tpm_text) >= 0
+  s.rpm_used, s.rpm_live, s.tpm_used, s.tpm_live = 0, {}, 0, {}
+  if s.rpm_on then s.rpm_used, s.rpm_live = window(s.rpm_window, cur - slots) end
+  if s.tpm_on then s.tpm_used, s.tpm_live = window(s.tpm_window, cur - slots) end
   used[#used + 1] = s.rpm_used
   used[#used + 1] = s.tpm_used
 end
@@ -122,17 +125,23 @@ for i, s in ipairs(subjects) do
     {s.month_hash, tonumber(s.cost_month_text), 6, 'cost_spent', 'cost_reserved', cost},
   }
   for _, b in ipairs(budgets) do
-    local taken = hget_num(b[1], b[4]) + hget_num(b[1], b[5])
-    if b[2] >= 0 and taken + b[6] > b[2] then return no(b[3], math.max(0, b[2] - taken), i) end
+    if b[2] >= 0 then
+      local taken = hget_num(b[1], b[4]) + hget_num(b[1], b[5])
+      if taken + b[6] > b[2] then return no(b[3], math.max(0, b[2] - taken), i) end
+    end
   end
 end
 
 local ttl_ms = math.ceil((slots + 2) * slot_s * 1000)
 for i, s in ipairs(subjects) do
-  redis.call('HINCRBY', s.rpm_window, cur, 1)
-  redis.call('PEXPIRE', s.rpm_window, ttl_ms)
-  redis.call('HINCRBY', s.tpm_window, cur, n)
-  redis.call('PEXPIRE', s.tpm_window, ttl_ms)
+  if s.rpm_on then
+    redis.call('HINCRBY', s.rpm_window, cur, 1)
+    redis.call('PEXPIRE', s.rpm_window, ttl_ms)
+  end
+  if s.tpm_on then
+    redis.call('HINCRBY', s.tpm_window, cur, n)
+    redis.call('PEXPIRE', s.tpm_window, ttl_ms)
+  end
   redis.call('HINCRBY', s.day_hash, 'reserved', n)
   redis.call('HINCRBY', s.day_hash, 'cost_reserved', cost)
   redis.call('EXPIRE', s.day_hash, day_expire_s)
@@ -219,7 +228,7 @@ return result
 # its maximum (expired leases are dropped first). Returns 1 or 0.
 ACQUIRE_ARGV = ("now", "lease_s", "max_concurrency", "lease_id", "key_max_concurrency")
 ACQUIRE = """
--- KEYS: slots_zset (the team's), then the key's slots_zset when the key has limits of its own
+-- KEYS: slots_zset (the team's), then the key's slots_zset when the key has a concurrency cap of its own
 -- ARGV: now, lease_s, max_concurrency (-1: unlimited), lease_id, key_max_concurrency (-1: unlimited)
 local now, lease_s, lease_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4]
 local maxes = {tonumber(ARGV[3]), tonumber(ARGV[5])}

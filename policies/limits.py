@@ -1,7 +1,8 @@
 """A team's and an API key's limits as plain data, shared by the store, the admission policies and the state backends.
 
-Both are "subjects" the state backends count the same way (rpm, tpm, day / month token and spend budgets); a key
-with limits is counted beside its team in one atomic reserve, so the tighter of the two wins.
+Both are "subjects" the state backends count the same way (rpm, tpm, day / month token and spend budgets); a key is
+counted beside its team in one atomic reserve, so the tighter of the two wins (and a key's spend is counted even
+without limits of its own, so one added mid-period starts from what it already spent).
 """
 
 from __future__ import annotations
@@ -81,13 +82,6 @@ class KeyLimits:
 
     def allows_model(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
-
-    @property
-    def counted(self) -> bool:
-        """Whether a reserve counts this key beside its team (it has a rate or budget limit of its own); a key
-        without one costs no extra state work. Its concurrency cap is a slot of its own, taken with the team's."""
-        budgets = (self.rpm, self.tpm, self.tokens_per_day, self.tokens_per_month, self.usd_per_day, self.usd_per_month)
-        return any(v is not None for v in budgets)
 
 
 def usd_micros(usd: float | None) -> int | None:

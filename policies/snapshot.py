@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policies.budget import seconds_until_reset
+from policies.limits import usd_micros
 from policies.retry import reset_header
 
 
@@ -101,3 +102,29 @@ def team_snapshot(
         "day_usd": day_usd,
         "month_usd": month_usd,
     }
+
+
+def with_limits(snapshot: dict, limits) -> dict:
+    """`snapshot` (a `team_snapshot`) as it reads under `limits` (a TeamLimits or KeyLimits): the current ones, not
+    those the backend last saw at a reserve, so a limit an admin just set shows what is left of it at once."""
+    out = dict(snapshot)
+
+    def window(limit: int | None, used: int | None) -> int | None:
+        return remaining(limit, used or 0)  # a window a backend keeps only under a limit starts empty
+
+    out["remaining_requests"] = window(limits.rpm, snapshot["requests_last_minute"])
+    out["remaining_tokens"] = window(limits.tpm, snapshot["tokens_last_minute"])
+    for name, limit in (("day", limits.tokens_per_day), ("month", limits.tokens_per_month)):
+        view = out[name] = dict(snapshot[name])
+        view["limit"], view["remaining"] = limit, remaining(limit, view["spent"] + view["reserved"])
+        out[f"remaining_{name}"] = view["remaining"]
+    for name, usd in (("day_usd", limits.usd_per_day), ("month_usd", limits.usd_per_month)):
+        if snapshot.get(name) is None:
+            continue
+        view = out[name] = dict(snapshot[name])
+        limit = usd_micros(usd)
+        taken = round(view["spent"] * 1_000_000) + round(view["reserved"] * 1_000_000)
+        left = remaining(limit, taken)
+        view["limit"] = None if limit is None else round(limit / 1_000_000, 6)
+        view["remaining"] = None if left is None else round(left / 1_000_000, 6)
+    return out

@@ -262,7 +262,7 @@ def test_admin_api_creates_reads_and_replaces_a_keys_limits(stack):
     assert r.status_code == 200 and r.json()["max_concurrency"] == 3 and r.json()["rpm"] is None
     assert stack["store"].get_key(key_id).limits == KeyLimits(max_concurrency=3)
     assert admin(stack, "PUT", f"/admin/keys/{key_id}/limits", json={}).status_code == 200
-    assert stack["store"].get_key(key_id).limits is None  # no limits of its own: counted as its team only
+    assert stack["store"].get_key(key_id).limits is None  # no limits of its own: only the team's apply
 
     err = error(admin(stack, "PUT", f"/admin/keys/{key_id}/limits", json={"rpm": 0}), 400, "invalid_value")
     assert err["param"] == "rpm"
@@ -321,12 +321,16 @@ async def test_200_concurrent_reserves_admit_what_the_tighter_of_key_and_team_al
         assert (snap["day"]["spent"], snap["day"]["reserved"], snap["open_reservations"]) == (500, 0, 0), snap
 
 
-async def test_a_key_without_limits_has_no_counters_of_its_own(backend):
+async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(backend):
+    # counted anyway, so a budget added later starts from what the key already spent (test_limits_added_midday)
     state, _ = backend
-    res = await state.reserve("t", TeamLimits(rpm=5), 1, 1, now=NOW, key_id="k", key_limits=KeyLimits())
-    assert res.key_id is None
-    assert state.snapshot("t", now=NOW, key_id="k")["requests_last_minute"] in (0, None)
-    assert state.snapshot("t", now=NOW)["requests_last_minute"] == 1
+    for limits in (KeyLimits(), None):
+        res = await state.reserve("t", TeamLimits(rpm=5), 1, 1, now=NOW, key_id="k", key_limits=limits, cost=7)
+        assert res.key_id == "k"
+        await state.settle(res, 1, 0, now=NOW, cost=3)
+    key = state.snapshot("t", now=NOW, key_id="k")
+    assert (key["day"]["spent"], key["day"]["remaining"], key["day_usd"]["spent"]) == (2, None, 0.000006)
+    assert state.snapshot("t", now=NOW)["requests_last_minute"] == 2
 
 
 async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(backend):
