@@ -40,11 +40,19 @@ TokensPerMonth = Annotated[
     int | None, Field(ge=0, le=MAX_TOKEN_BUDGET, description="Token budget per UTC calendar month.")
 ]
 MaxConcurrency = Annotated[int | None, Field(ge=1, le=MAX_COUNT, description="Requests in flight at once.")]
+# allow_inf_nan=False: NaN and Infinity (which the JSON parser accepts) are refused as "not a finite number".
 UsdPerDay = Annotated[
-    float | None, Field(ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC day, in USD at the pools' prices.")
+    float | None,
+    Field(
+        ge=0,
+        le=MAX_USD_BUDGET,
+        allow_inf_nan=False,
+        description="Spend budget per UTC day, in USD at the pools' prices.",
+    ),
 ]
 UsdPerMonth = Annotated[
-    float | None, Field(ge=0, le=MAX_USD_BUDGET, description="Spend budget per UTC calendar month, in USD.")
+    float | None,
+    Field(ge=0, le=MAX_USD_BUDGET, allow_inf_nan=False, description="Spend budget per UTC calendar month, in USD."),
 ]
 
 
@@ -100,7 +108,7 @@ class KeyLimitsBody(BaseModel):
     )
 
     def to_limits(self) -> KeyLimits | None:
-        """None when nothing is set: the key then has no limits of its own (no counters, no extra state calls)."""
+        """None when nothing is set: the key then has no limits of its own (its spend is still counted)."""
         limits = KeyLimits.from_dict(self.model_dump())
         return None if limits == KeyLimits() else limits
 

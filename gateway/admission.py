@@ -15,6 +15,7 @@ the shared state when it returns (through the outbox).
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -36,8 +37,13 @@ from gateway.token_count import TokenCounters, UnsupportedContent
 from gateway.upstream import Upstreams
 from policies.caps import apply_caps
 from policies.decisions import Rejected
+from policies.pricing import max_cost_over
 
 log = get_logger()
+
+# The fields that bound a choice's length, per endpoint, as upstreams read them: chat takes either (vLLM and our
+# engine prefer max_completion_tokens, older servers read max_tokens only); completions reads max_tokens only.
+_LENGTH_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",)}
 
 
 class Admission:
@@ -139,13 +145,15 @@ class Admission:
     def count_prompt(self, ctx: RequestContext) -> None:
         counter = self.counters(ctx.model)
         if ctx.kind != "chat":  # an embeddings input has a completion prompt's shapes, and is counted the same
-            ctx.prompt_tokens = counter.count_prompt(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
+            counts = counter.count_prompts(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
+            ctx.prompt_tokens, ctx.longest_prompt = sum(counts), max(counts)
+            ctx.prompts = len(counts) if ctx.kind == "completions" else 1
             return
         pool = self.upstreams.pools[ctx.model].cfg
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
         part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
         try:
-            ctx.prompt_tokens = counter.count_chat(ctx.body["messages"], part_tokens)
+            ctx.prompt_tokens = ctx.longest_prompt = counter.count_chat(ctx.body["messages"], part_tokens)
         except UnsupportedContent as e:
             raise APIError(
                 400,
@@ -163,7 +171,10 @@ class Admission:
                 raise APIError(400, cap.error.message.replace("messages", "input"), "context_length_exceeded", "input")
             ctx.max_tokens = 0
             return
-        requested = body.get("max_completion_tokens") or body.get("max_tokens")
+        # The bounds the upstream honours on this endpoint (the schemas typed them; /v1/completions refused
+        # max_completion_tokens): the tightest one bounds the reservation.
+        bounds = [k for k in _LENGTH_FIELDS[ctx.kind] if body.get(k) is not None]
+        requested = min((body[k] for k in bounds), default=None)
         pool = self.upstreams.pools[ctx.model].cfg
         cap = apply_caps(
             ctx.prompt_tokens,
@@ -171,6 +182,7 @@ class Admission:
             max_prompt_tokens=ctx.limits.max_prompt_tokens,
             max_output_tokens=ctx.limits.max_output_tokens,
             context_window=pool.max_context,
+            longest_prompt_tokens=ctx.longest_prompt,
         )
         if not cap.ok:
             ctx.reason = cap.error.reason  # "too_long" in the event; OpenAI's code for the client
@@ -180,17 +192,25 @@ class Admission:
             # Nothing but the context bounds it: reserve the gateway default, not the whole context window.
             max_tokens = min(max_tokens or self.config.default_max_tokens, self.config.default_max_tokens)
         per_choice = max_tokens or self.config.default_max_tokens
-        # The upstream must never make more than we reserved for: max_tokens per choice (the body keeps OpenAI's
-        # meaning), and every choice it generates reserved (n of them, or best_of, which upstreams bill too).
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        body[key] = per_choice
-        ctx.choices = max(body.get("n") or 1, body.get("best_of") or 1)
+        # The upstream must never make more than we reserved for: every bound it was sent says max_tokens per
+        # choice (whichever field it reads), and every choice it generates is reserved: n per prompt, or best_of
+        # (generated and billed, though n are returned), for each prompt of a batch. Echo adds no output: the
+        # echoed prompt is billed as prompt tokens (OpenAI, vLLM).
+        for key in bounds or ("max_tokens",):
+            body[key] = per_choice
+        ctx.choices = ctx.prompts * max(body.get("n") or 1, body.get("best_of") or 1)
         ctx.max_tokens = per_choice * ctx.choices
 
     async def reserve(self, ctx: RequestContext) -> None:
-        prices = self.upstreams.pools[ctx.model].cfg.prices
-        ctx.cost_reserved = prices.max_cost_micros(ctx.prompt_tokens, ctx.max_tokens) if prices else 0
-        # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits adds none.
+        # Any hop of the route plan may serve it (the pool's own instances, then its fallbacks'), and the bill is at
+        # the serving pool's prices: hold the dearest, or a cheap primary that is down lets a budget be overrun.
+        pools = self.upstreams.pools
+        plan = [ctx.model, *pools[ctx.model].cfg.fallbacks]
+        if ctx.kind == "embeddings":  # as dispatch routes them: a fallback that serves no embeddings is no hop
+            plan = [m for m in plan if m == ctx.model or pools[m].serves_embeddings]
+        ctx.cost_reserved = max_cost_over((pools[m].cfg.prices for m in plan), ctx.prompt_tokens, ctx.max_tokens)
+        # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits is counted
+        # too, so a limit set later applies to what it spent.
         key = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
         try:
             try:

@@ -63,7 +63,18 @@ def check_body(data: dict, raw: bytes, schema: TypeAdapter) -> dict:
 
 
 def check_together(data: dict) -> None:
-    """What one field cannot say alone, as OpenAI refuses it: top_logprobs without logprobs, best_of below n."""
+    """What one field cannot say alone, as OpenAI refuses it: top_logprobs without logprobs, best_of below n, a
+    chat-only length bound on /v1/completions."""
+    if "prompt" in data and data.get("max_completion_tokens") is not None:
+        # OpenAI's completions endpoint refuses it and vLLM's ignores it, generating max_tokens: taking it would
+        # bound the reservation by a number the upstream never reads.
+        raise APIError(
+            400,
+            "Unsupported parameter: 'max_completion_tokens' is a /v1/chat/completions parameter; /v1/completions "
+            "bounds its output with 'max_tokens'. Send max_tokens instead.",
+            "unsupported_parameter",
+            param="max_completion_tokens",
+        )
     if data.get("top_logprobs") is not None and data.get("logprobs") is not True and "messages" in data:
         raise APIError(
             400,

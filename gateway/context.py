@@ -76,8 +76,10 @@ class RequestContext:
     client_usage: bool = False
     client_continuous: bool = False
     max_tokens: int | None = None  # output tokens reserved: choices x the body's max_tokens (0 for embeddings)
-    choices: int = 1  # sequences the upstream generates: max(n, best_of)
-    prompt_tokens: int = 0
+    choices: int = 1  # sequences the upstream generates: prompts x max(n, best_of)
+    prompts: int = 1  # a /v1/completions batch's prompts, each completed on its own
+    prompt_tokens: int = 0  # all prompts together
+    longest_prompt: int = 0  # the batch's longest prompt: what the context window must hold
     reservation: object | None = None
     slot: bool = False
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away
@@ -95,6 +97,7 @@ class RequestContext:
     upstream_end: float | None = None
     ttft_s: float | None = None
     usage: dict | None = None
+    usage_source: str | None = None  # how the billed usage was obtained (gateway/settle.py): for the event
     finish_reason: str | None = None
     incomplete: bool = False  # the upstream may still be generating: abort it in finish
     instance_ok: bool = True

@@ -139,7 +139,9 @@ class Dispatcher:
             ctx.upstream_end = time.perf_counter()
         ctx.incomplete = False
         ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
-        ctx.usage = obj.get("usage") or self.estimated_usage(ctx, obj)
+        ctx.usage = obj.get("usage")
+        if not ctx.usage:
+            ctx.usage, ctx.usage_source = self.estimated_usage(ctx, obj), "estimate_text"
         choices = obj.get("choices") or [{}]
         ctx.finish_reason = choices[0].get("finish_reason")
         return Response(raw, 200, headers=_rate_headers(ctx), media_type="application/json")

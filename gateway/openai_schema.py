@@ -71,6 +71,9 @@ Penalty = Annotated[float, between(-2, 2)]
 Priority = Annotated[
     int, between(0, 2, "tokenweir: 0 critical, 1 standard, 2 batch; a request may lower its team's, never raise it.")
 ]
+# Candidates generated server-side per prompt (the upstream bills every one), of which n are returned. Typed on chat
+# too: vLLM's chat endpoint takes it, and an untyped value would reach the reservation unchecked.
+BestOf = Annotated[int, between(0, 20, "Candidates generated per prompt; output is reserved for them all.")]
 
 
 @with_config(STRICT)
@@ -81,7 +84,9 @@ class _Body(TypedDict, total=False):
     max_tokens: MaxTokens | None
     temperature: Annotated[float, between(0, 2)] | None
     top_p: Annotated[float, between(0, 1)] | None
-    n: Annotated[int, between(1, 128, "Choices to generate; output is reserved for n x max_tokens.")] | None
+    n: Annotated[int, between(1, 128, "Choices per prompt; output is reserved for n x max_tokens.")] | None
+    best_of: BestOf | None
+    echo: bool | None
     stream: bool | None
     stream_options: StreamOptions | None
     stop: Stop | None
@@ -115,8 +120,6 @@ class ChatCompletionRequest(_Body, total=False):
 @with_config(STRICT)
 class CompletionRequest(_Body, total=False):
     prompt: Required[Prompt]
-    echo: bool | None
-    best_of: Annotated[int, between(0, 20)] | None
     logprobs: Annotated[int, between(0, 20)] | None
     suffix: str | None
 

@@ -111,7 +111,7 @@ class Settler:
             if hop is not None and ctx.incomplete and hop.instance.cfg.engine:
                 answer = await relay.abort(self.client, hop, ctx.upstream_id)
                 if answer and answer.get("usage"):
-                    ctx.usage = answer["usage"]
+                    ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
             await self.close_stream(ctx)
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
             log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
@@ -225,8 +225,10 @@ class Settler:
         return prompt + ctx.spilled_prompt_tokens, completion + ctx.spilled_completion_tokens, cached
 
     def _billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+        """The last hop's usage, and how it was obtained (`ctx.usage_source`, the event's `usage_source`)."""
         usage = ctx.usage or (ctx.chunks.usage if ctx.chunks is not None else None)
         if usage:
+            ctx.usage_source = ctx.usage_source or "upstream"
             details = usage.get("prompt_tokens_details") or {}
             cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
@@ -236,7 +238,15 @@ class Settler:
         completion = 0
         if ctx.chunks is not None and ctx.chunks.text:
             completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
-        return ctx.prompt_tokens, completion, 0
+        if ctx.chunks is not None and ctx.chunks.done:
+            # The whole answer was relayed, only its usage was not sent: its text is what was made.
+            ctx.usage_source = "estimate_text"
+            return ctx.prompt_tokens, completion, 0
+        # Cut before its usage arrived (client gone, upstream broken, timeout) and no engine to ask: what was relayed
+        # is only a lower bound (an upstream runs ahead of the relay, and a provider may generate, and bill, past a
+        # dropped connection). The reservation bounds what it could make (it was sent max_tokens per choice).
+        ctx.usage_source = "reservation_bound"
+        return ctx.prompt_tokens, max(completion, ctx.max_tokens or 0), 0
 
     def emit(
         self,
@@ -256,6 +266,17 @@ class Settler:
             tpot = (chunks.last_token_at - chunks.first_token_at) / (per_choice - 1)
         if ctx.finish_reason is None and chunks is not None:
             ctx.finish_reason = chunks.finish_reason
+        # Output beyond the reservation (an upstream that ignores the max_tokens it was sent): billed in full by the
+        # settle above, and named here so that it can be found.
+        overrun = max(0, completion - ctx.max_tokens) if ctx.max_tokens is not None and ctx.route else 0
+        if overrun:
+            log.warning(
+                "upstream_overran_reservation",
+                request_id=ctx.request_id,
+                instance=ctx.route[-1],
+                reserved=ctx.max_tokens,
+                completion_tokens=completion,
+            )
         seq = self.events.emit(
             {
                 "ts": ts or time.time(),
@@ -277,6 +298,8 @@ class Settler:
                 "completion_tokens": completion,
                 "cached_tokens": cached,
                 "max_tokens": ctx.max_tokens,
+                "overrun_tokens": overrun,
+                "usage_source": ctx.usage_source,
                 "queue_ms": _ms(ctx.queue_s),
                 "ttft_ms": _ms(ctx.ttft_s),
                 "tpot_ms": _ms(tpot),

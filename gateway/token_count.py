@@ -98,14 +98,16 @@ class TokenCounter:
 
     def count_prompt(self, prompt) -> int:
         """/v1/completions prompt: a string, a list of strings, or token ids (taken as they are)."""
+        return sum(self.count_prompts(prompt))
+
+    def count_prompts(self, prompt) -> list[int]:
+        """Each prompt's tokens: one for a string or a list of token ids; one per element for a batch (a list of
+        strings or of token-id lists), which the upstream completes separately, each with its own choices."""
         if isinstance(prompt, str):
-            return self.count_text(prompt)
+            return [self.count_text(prompt)]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        total = 0
-        for p in prompt or []:
-            total += len(p) if isinstance(p, list) else self.count_text(str(p))
-        return total
+            return [len(prompt)]
+        return [len(p) if isinstance(p, list) else self.count_text(str(p)) for p in prompt or []] or [0]
 
     def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
         """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,

@@ -10,11 +10,15 @@ Knobs (per request, in the body so they pass through the gateway as extra fields
   - itl_ms: delay between stream chunks
   - tokens: completion tokens to make (capped by max_tokens)
   - status: answer with this HTTP status and an OpenAI error body instead
+  - error: {"type": ..., "code": ...} of that error body (a stream with status 200: one error event, then [DONE],
+    as our engine ends a stream whose request failed)
   - fail_after: a stream that breaks (connection cut) after this many chunks
   - usage: false to send no usage at all (an upstream that ignores stream_options)
+  - overrun: true to make `tokens` whatever max_tokens says (an upstream that ignores it)
 Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503).
 Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
-length; each stream chunk is one token; n choices make n x tokens. An embedding input costs what a prompt does.
+length; each stream chunk is one token; n choices make n x tokens, for each prompt of a completions batch. An
+embedding input costs what a prompt does.
 """
 
 from __future__ import annotations
@@ -112,8 +116,11 @@ class FakeUpstream:
         chat = path == "/v1/chat/completions"
         record = FakeRecord(rid, _count_prompt(req, chat), stream=bool(req.get("stream")))
         self.records[rid] = record
-        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
-        n_tokens = min(int(knobs.get("tokens", 16)), int(max_tokens))
+        # As OpenAI and vLLM read them: chat prefers max_completion_tokens, completions knows only max_tokens.
+        max_tokens = (req.get("max_completion_tokens") if chat else None) or req.get("max_tokens") or 16
+        n_tokens = int(knobs.get("tokens", 16))
+        if not knobs.get("overrun"):
+            n_tokens = min(n_tokens, int(max_tokens))
         try:
             if req.get("stream"):
                 await self._stream(send, req, record, n_tokens, knobs, chat)
@@ -238,8 +245,12 @@ class FakeUpstream:
 
 
 def _choices(req: dict) -> int:
+    """n per prompt; a completions batch (a list of strings or of token-id lists) completes each prompt."""
     n = req.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+    prompt = req.get("prompt")
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
+    return n * len(prompt) if batch else n
 
 
 def embedding_vector(item, dims: int) -> list[float]:

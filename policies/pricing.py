@@ -49,5 +49,11 @@ class Prices:
         return math.ceil(prompt * top + max_tokens * self.output_per_1m - 1e-9)
 
 
+def max_cost_over(prices: Iterable[Prices | None], prompt: int, max_tokens: int) -> int:
+    """What admission holds when any of several pools may serve the request (its route plan's fallbacks), each
+    billing at its own prices: the dearest pool's bound (an unpriced pool costs 0)."""
+    return max((p.max_cost_micros(prompt, max_tokens) for p in prices if p is not None), default=0)
+
+
 def micros_to_usd(micros: int) -> float:
     return round(micros / 1_000_000, 6)
