@@ -12,19 +12,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import uuid
 
 import httpx
 import pytest
 
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
 from gateway.state import InMemoryState
 from gateway.state_redis import RedisState
 from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
 from policies.limits import TeamLimits
 from policies.pricing import Prices, max_cost_over
+from tests.gateway.stack_support import events_of, team
 from tests.gateway.state_support import URL
 from tests.gateway.test_key_limits import _drop_prefix, _redis_prefix
 from tests.serve_thread import ServerThread, serve_app
@@ -78,22 +77,6 @@ def stack(request, tmp_path_factory):
     store.close()
     if prefix is not None:
         _drop_prefix(prefix)
-
-
-def team(stack, limits: TeamLimits | None = None) -> tuple[str, str]:
-    store = stack["store"]
-    t = store.create_team(f"team-{uuid.uuid4().hex[:10]}", limits or TeamLimits(tokens_per_day=1_000_000))
-    secret, _ = store.create_key(t.id, "test")
-    return t.id, secret
-
-
-def events_of(stack, team_id: str, n: int, timeout: float = 10.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        events = [e for e in read_events(stack["events"]) if e["team"] == team_id]
-        if len(events) >= n or time.monotonic() > deadline:
-            return events
-        time.sleep(0.05)
 
 
 def made(stack, event: dict) -> tuple[int, int]:

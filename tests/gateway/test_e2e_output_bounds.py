@@ -10,19 +10,18 @@ whatever the mix of fields; and output an upstream makes beyond the reservation 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import httpx
 import pytest
 
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
 from gateway.state import InMemoryState
 from gateway.state_redis import RedisState
 from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
 from policies.limits import TeamLimits
+from tests.gateway.stack_support import events_of, team
 from tests.gateway.state_support import URL
 from tests.gateway.test_key_limits import _drop_prefix, _redis_prefix
 from tests.serve_thread import ServerThread, serve_app
@@ -56,13 +55,6 @@ def stack(request, tmp_path_factory):
         _drop_prefix(prefix)
 
 
-def team(stack, limits: TeamLimits | None = None) -> tuple[str, str]:
-    store = stack["store"]
-    t = store.create_team(f"team-{uuid.uuid4().hex[:10]}", limits or TeamLimits(tokens_per_day=1_000_000))
-    secret, _ = store.create_key(t.id, "test")
-    return t.id, secret
-
-
 def post(stack, secret: str, path: str, body: dict) -> httpx.Response:
     headers = {"authorization": f"Bearer {secret}"}
     return httpx.post(stack["url"] + path, json={"model": MODEL, **body}, headers=headers, timeout=30)
@@ -75,15 +67,6 @@ async def storm(stack, secret: str, path: str, body: dict, n: int) -> list[httpx
     limits = httpx.Limits(max_connections=n)
     async with httpx.AsyncClient(base_url=stack["url"], headers=headers, timeout=30, limits=limits) as client:
         return await asyncio.gather(*(client.post(path, json=body) for _ in range(n)))
-
-
-def events_of(stack, team_id: str, n: int, timeout: float = 10.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        events = [e for e in read_events(stack["events"]) if e["team"] == team_id]
-        if len(events) >= n or time.monotonic() > deadline:
-            return events
-        time.sleep(0.05)
 
 
 def served(stack, events: list[dict]) -> int:
