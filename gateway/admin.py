@@ -41,7 +41,7 @@ from gateway.errors import APIError
 from gateway.services import Services, ServicesDep
 from gateway.state import StateUnavailable
 from policies.budget import DAY, MONTH, period_start_day
-from policies.pricing import micros_to_usd
+from policies.pricing import femtos_to_usd
 from policies.snapshot import with_limits
 
 router = APIRouter(
@@ -204,7 +204,7 @@ async def _usage_by(services: Services, group_by: str, team_id, since: date | No
         until.isoformat() if until else None,
     )
     data, total = [], UsageTotals(cost_usd=0.0)
-    cost_micros = 0
+    cost_femtos = 0  # exact: rendered in USD once, for the total as for each row
     for team, who, day, model, requests, prompt, completion, cached, cost in rows:
         ident = {"key_id": who} if group_by == "key" else {"user": who}
         data.append(
@@ -216,7 +216,7 @@ async def _usage_by(services: Services, group_by: str, team_id, since: date | No
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 cached_tokens=cached,
-                cost_usd=micros_to_usd(cost),
+                cost_usd=femtos_to_usd(cost),
                 **ident,
             )
         )
@@ -224,6 +224,6 @@ async def _usage_by(services: Services, group_by: str, team_id, since: date | No
         total.prompt_tokens += prompt
         total.completion_tokens += completion
         total.cached_tokens += cached
-        cost_micros += cost
-    total.cost_usd = micros_to_usd(cost_micros)
+        cost_femtos += cost
+    total.cost_usd = femtos_to_usd(cost_femtos)
     return UsageList(data=data, total=total)

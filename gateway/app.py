@@ -44,6 +44,7 @@ from gateway.upstream import Upstreams
 from gateway.usage import UsageRecorder, seed_key_budgets
 from policies.budget import DAY, MONTH, day_key, period_start_day
 
+from policies.pricing import usd_to_femtos
 log = get_logger()
 
 
@@ -162,7 +163,7 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
                 seq=e["seq"],
                 key_id=e.get("key_id"),
                 user=e.get("user"),
-                cost_micros=round((e.get("cost") or 0) * 1_000_000),
+                cost_femtos=usd_to_femtos(e.get("cost") or 0),
             )
             replayed += 1
     events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last

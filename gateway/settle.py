@@ -31,7 +31,7 @@ from gateway.state import StateBackend, StateUnavailable
 from gateway.token_count import TokenCounter
 from gateway.upstream import Upstreams
 from policies.budget import day_key
-from policies.pricing import micros_to_usd
+from policies.pricing import femtos_to_usd
 
 log = get_logger()
 
@@ -147,10 +147,11 @@ class Settler:
         self._guard(self.journal.done, ctx)  # right after the event, no await between: see InflightJournal.done
 
     def cost(self, ctx: RequestContext, prompt: int, completion: int, cached: int) -> int | None:
-        """What the request cost in micro-USD at the prices of the pool that served it (None: unpriced)."""
+        """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
+        never rounded per request, so the state's spend, the usage rows and the events all sum exactly."""
         pool = self.upstreams.pools.get(ctx.served_model or ctx.model)
         prices = pool.cfg.prices if pool is not None else None
-        return None if prices is None else prices.cost_micros(prompt, completion, cached)
+        return None if prices is None else prices.cost_femtos(prompt, completion, cached)
 
     def record(
         self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int, cost: int | None = None
@@ -174,7 +175,7 @@ class Settler:
                 seq=seq,
                 key_id=ctx.key_id,
                 user=ctx.user,
-                cost_micros=cost or 0,
+                cost_femtos=cost or 0,
             )
 
     def defer(self, err: StateUnavailable) -> None:
@@ -309,7 +310,7 @@ class Settler:
                 "kind": ctx.kind,
                 "client_disconnected": ctx.disconnected,
                 "user": ctx.user,
-                "cost": None if cost is None else micros_to_usd(cost),
+                "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
             }
         )
         m = self.metrics

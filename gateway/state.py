@@ -17,6 +17,7 @@ from typing import Protocol
 from policies.budget import DAY, MONTH, Budget, as_key_rejection, seconds_until_reset, spend_rejection
 from policies.decisions import Rejected, budget_rejection, rate_rejection
 from policies.limits import KeyLimits, TeamLimits, usd_micros
+from policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd, split_femtos
 from policies.rate import SlidingWindow
 from policies.reservation import Reservation
 from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, spend_view, team_snapshot, tighter
@@ -26,11 +27,13 @@ class StateBackend(Protocol):
     """Live limits state: `InMemoryState` (one process) and `RedisState` (replicas sharing Redis) both are one.
 
     reserve: take 1 request on rpm and prompt + max_tokens on tpm and the day / month budgets (and `cost` micro-USD on
-    the spend budgets), all or nothing (raises `Rejected`); with `key_id` the API key is a second subject whose
-    counters are checked (against `key_limits`, None: none of its own) and taken in the same atomic step (the
-    tighter wins). settle: turn the hold into actual
-    spend on every subject it took from, refunding the rest (idempotent); acquire_slot / release_slot: the team's
-    (and the key's) concurrency slots. A backend that cannot be reached raises `StateUnavailable`."""
+    the spend budgets, a bound rounded up), all or nothing (raises `Rejected`); with `key_id` the API key is a second
+    subject whose counters are checked (against `key_limits`, None: none of its own) and taken in the same atomic step
+    (the tighter wins). settle: turn the hold into actual spend on every subject it took from, refunding the rest
+    (idempotent); its `cost` is the exact cost in femto-USD (policies.pricing), as is seed_spend's: spend budgets
+    keep whole micro-USD (what the checks compare) and carry the femto-USD below a micro-dollar, so billed spend is
+    exact. acquire_slot / release_slot: the team's (and the key's) concurrency slots. A backend that cannot be
+    reached raises `StateUnavailable`."""
 
     async def reserve(
         self,
@@ -102,6 +105,39 @@ class StateUnavailable(Exception):
 
 
 @dataclass
+class _SpendBudget(Budget):
+    """A spend budget: `spent` / `reserved` / `overshoot` in whole micro-USD (what the checks compare, as the Redis
+    hashes keep them), and `remainder`, the femto-USD of exact costs below a micro-dollar, carried into `spent` each
+    time it reaches one. Settle and seed take femto-USD; holds are micro-USD."""
+
+    remainder: int = 0
+
+    @property
+    def spent_femtos(self) -> int:
+        return self.spent * FEMTOS_PER_MICRO + self.remainder
+
+    def roll(self, now: float) -> None:
+        key = self.key
+        super().roll(now)
+        if self.key != key:
+            self.remainder = 0
+
+    def settle(self, key: str, reserved: int, actual: int, now: float) -> int:
+        """`Budget.settle` of an exact cost (`actual` femto-USD) against a hold of `reserved` micro-USD; the
+        overshoot counts whole micro-USD beyond the hold, as the Redis SETTLE script does."""
+        whole, below = split_femtos(actual)
+        overshoot = super().settle(key, reserved, whole, now)  # rolls the period first
+        carried, self.remainder = divmod(self.remainder + below, FEMTOS_PER_MICRO)
+        self.spent += carried
+        return overshoot
+
+    def seed(self, spent: int, now: float) -> None:
+        whole, below = split_femtos(spent)
+        super().seed(whole, now)  # rolls the period first
+        self.remainder = below
+
+
+@dataclass
 class _Team:
     """One subject's counters: a team's, or an API key's own (kept under the same rules)."""
 
@@ -109,8 +145,8 @@ class _Team:
     tpm: SlidingWindow | None = None
     day: Budget = field(default_factory=lambda: Budget(DAY, None))
     month: Budget = field(default_factory=lambda: Budget(MONTH, None))
-    day_cost: Budget = field(default_factory=lambda: Budget(DAY, None))  # micro-USD
-    month_cost: Budget = field(default_factory=lambda: Budget(MONTH, None))
+    day_cost: _SpendBudget = field(default_factory=lambda: _SpendBudget(DAY, None))
+    month_cost: _SpendBudget = field(default_factory=lambda: _SpendBudget(MONTH, None))
     in_flight: int = 0
     reserved_tokens: int = 0  # held by unsettled reservations, whatever their period
     open_reservations: int = 0
@@ -295,7 +331,7 @@ class InMemoryState:
         month_cost: int | None = None,
     ) -> None:
         """Spend already in the store for the current UTC day / month, so a restart does not reset budgets: the
-        team's, or with key_id that key's own; the spend (micro-USD) budgets too when given."""
+        team's, or with key_id that key's own; the spend budgets too when given (exact, in femto-USD)."""
         now = self._clock() if now is None else now
         subject = self._team(team_id) if key_id is None else self._key(key_id)
         subject.day.seed(day_tokens, now)
@@ -322,8 +358,8 @@ class InMemoryState:
             remaining_tokens=team.tpm.remaining(now) if team.tpm else None,
             day=_budget_view(team.day, now),
             month=_budget_view(team.month, now),
-            day_usd=_budget_view(team.day_cost, now, spend_view),
-            month_usd=_budget_view(team.month_cost, now, spend_view),
+            day_usd=_spend_budget_view(team.day_cost, now),
+            month_usd=_spend_budget_view(team.month_cost, now),
         )
 
     async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
@@ -337,6 +373,13 @@ class InMemoryState:
 def _budget_view(budget: Budget, now: float, view=budget_view) -> dict:
     budget.roll(now)
     return view(budget.period, budget.key, budget.limit, budget.spent, budget.reserved, budget.overshoot, now)
+
+
+def _spend_budget_view(budget: _SpendBudget, now: float) -> dict:
+    """`spend_view`, its spent rendered once from the exact femto-USD (limit / remaining are whole micro-USD)."""
+    view = _budget_view(budget, now, spend_view)
+    view["spent"] = femtos_to_usd(budget.spent_femtos)
+    return view
 
 
 def _window(window: SlidingWindow | None, now: float) -> WindowHeaders | None:

@@ -41,6 +41,7 @@ from policies.budget import as_key_rejection
 from policies.limits import KeyLimits, TeamLimits, usd_micros
 from policies.rate import SLOTS, WINDOW_S
 from policies.reservation import Reservation
+from policies.pricing import split_femtos
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
@@ -218,7 +219,8 @@ class RedisState:
                 SETTLE_ARGV,
                 now=repr(now),
                 actual=op["tokens"],
-                actual_cost=op.get("cost", 0),
+                actual_cost=cost_micros,
+                actual_cost_rem=cost_below_micro,
                 slot_s=WINDOW_S / SLOTS,
                 slots=SLOTS,
                 day_period=d,
@@ -245,6 +247,7 @@ class RedisState:
         the call so that a restart after this process dies can release it by name (gateway/inflight.py)."""
         lease_id = lease_id or uuid.uuid4().hex
         keys = [self._keys.key(team_id, "slots")]
+            cost_micros, cost_below_micro = split_femtos(op.get("cost", 0))  # exact femto-USD, split for int64 maths
         if key_id is not None:
             keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
         args = script_args(
@@ -314,16 +317,17 @@ class RedisState:
         month_cost: int | None = None,
     ) -> None:
         """Fill in spend from the store only where Redis has none: the live counters, shared by replicas that
-        may hold unflushed usage, win over a store snapshot taken by whichever replica starts next."""
+        may hold unflushed usage, win over a store snapshot taken by whichever replica starts next. Costs are exact
+        femto-USD, kept as whole micro-USD plus the femto-USD below one (as SETTLE keeps them)."""
         now = self._clock() if now is None else now
         day_k, month_k, _, _, d_exp, m_exp = self._keys.period_keys(team_id, now, key_id)
         with self._sync.pipeline() as pipe:
             pipe.hsetnx(day_k, "spent", day_tokens).expire(day_k, d_exp)
             pipe.hsetnx(month_k, "spent", month_tokens).expire(month_k, m_exp)
-            if day_cost is not None:
-                pipe.hsetnx(day_k, "cost_spent", day_cost)
-            if month_cost is not None:
-                pipe.hsetnx(month_k, "cost_spent", month_cost)
+            for hash_key, cost in ((day_k, day_cost), (month_k, month_cost)):
+                if cost is not None:
+                    micros, below = split_femtos(cost)
+                    pipe.hsetnx(hash_key, "cost_spent", micros).hsetnx(hash_key, "cost_spent_rem", below)
             pipe.execute()
 
     def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:

@@ -5,7 +5,8 @@ Layout per team (a `{team}` hash tag keeps a team's keys in one cluster slot), a
 one script):
   rpm / tpm           hash slot_index -> units: the same sliding window as `policies.rate.SlidingWindow`
   day:<key> month:<key>  hash spent / reserved / overshoot (tokens) and cost_spent / cost_reserved /
-                      cost_overshoot (micro-USD), expiring a day after the period ends
+                      cost_overshoot (micro-USD) / cost_spent_rem (femto-USD below a micro-dollar), expiring a
+                      day after the period ends
   holds               zset reservation id -> lease expiry; res:<id> hash with what the hold took
   slots               zset lease id -> lease expiry (concurrency)
 """

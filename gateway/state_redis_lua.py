@@ -163,19 +163,22 @@ return {0, '0', 0, unpack(used)}
 
 # Settle a hold on every subject it took from: bill the actual tokens and cost, give the held ones back, leave a
 # tombstone (per subject). Returns the team's overshoot (tokens beyond the hold), or -1 when already settled.
-SETTLE_ARGV = ("now", "actual", "actual_cost", *WINDOW_ARGV)
+# The cost is exact: whole micro-USD (actual_cost) and the femto-USD below a micro-dollar (actual_cost_rem), carried
+# in cost_spent_rem until it makes a whole micro-dollar, so billed spend sums exactly (policies.pricing).
+SETTLE_ARGV = ("now", "actual", "actual_cost", *WINDOW_ARGV, "actual_cost_rem")
 SETTLE_KEYS = ("tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash", "res_hash")
 SETTLE = (
     WINDOW_FUNCTIONS
     + """
 -- KEYS: per subject tpm_window day_hash month_hash holds_zset meta_hash res_hash
--- ARGV: now, actual (tokens used), actual_cost (micro-USD), slot_s, slots, day_period, month_period, day_expire_s,
---   month_expire_s, res_id
+-- ARGV: now, actual (tokens used), actual_cost (whole micro-USD), slot_s, slots, day_period, month_period,
+--   day_expire_s, month_expire_s, res_id, actual_cost_rem (femto-USD below a micro-dollar, 0 to 10^9 - 1)
 local now, actual, actual_cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
 local day_period, month_period = ARGV[6], ARGV[7]
 local day_expire_s, month_expire_s = ARGV[8], ARGV[9]
-local res_id = ARGV[10]
+local res_id, actual_cost_rem = ARGV[10], tonumber(ARGV[11])
+local FEMTOS_PER_MICRO = 1000000000
 local cur = math.floor(now / slot_s)
 
 local result = -1
@@ -219,6 +222,10 @@ for i = 1, #KEYS / 6 do
     redis.call('EXPIRE', res_hash, 86400)
     if i == 1 then result = over end
   end
+      if redis.call('HINCRBY', p[1], 'cost_spent_rem', actual_cost_rem) >= FEMTOS_PER_MICRO then
+        redis.call('HINCRBY', p[1], 'cost_spent_rem', -FEMTOS_PER_MICRO)
+        redis.call('HINCRBY', p[1], 'cost_spent', 1)
+      end
 end
 return result
 """

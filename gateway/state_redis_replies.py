@@ -7,6 +7,7 @@ from __future__ import annotations
 from policies.budget import DAY, MONTH, day_key, month_key, seconds_until_reset, spend_rejection
 from policies.decisions import Rejected, budget_rejection, rate_rejection
 from policies.limits import usd_micros
+from policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd
 from policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
 from policies.snapshot import (
     WindowHeaders,
@@ -39,6 +40,12 @@ def snapshot_view(team_id: str, now: float, results: list) -> dict:
         spent, reserved, over = (int(h.get(field + k, 0)) for k in ("spent", "reserved", "overshoot"))
         return view(period_name, key, limit(limit_name), spent, reserved, over, now)
 
+    def spend(h: dict, period_name: str, key: str, limit_name: str) -> dict:
+        """A spend budget's view, its spent rendered once from the exact femto-USD (whole micros + the rest)."""
+        view = period(h, period_name, key, limit_name, "cost_", spend_view)
+        exact = int(h.get("cost_spent", 0)) * FEMTOS_PER_MICRO + int(h.get("cost_spent_rem", 0))
+        return view | {"spent": femtos_to_usd(exact)}
+
     rpm_used, tpm_used = used(rpm), used(tpm)
     return team_snapshot(
         team_id,
@@ -51,8 +58,8 @@ def snapshot_view(team_id: str, now: float, results: list) -> dict:
         remaining_tokens=remaining(limit("tpm"), tpm_used),
         day=period(day, DAY, d, "day_limit"),
         month=period(month, MONTH, m, "month_limit"),
-        day_usd=period(day, DAY, d, "cost_day_limit", "cost_", spend_view),
-        month_usd=period(month, MONTH, m, "cost_month_limit", "cost_", spend_view),
+        day_usd=spend(day, DAY, d, "cost_day_limit"),
+        month_usd=spend(month, MONTH, m, "cost_month_limit"),
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.pricing import FEMTOS_PER_MICRO
+
 _USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
 
 
@@ -35,12 +37,17 @@ class KeyUsageRow:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    cost_micros: int = 0
+    cost_micros: int = 0  # whole micro-USD of the exact cost
+    cost_rem_femtos: int = 0  # and the femto-USD below a micro-dollar (0 to 10^9 - 1): see policies.pricing
 
 
 _KEY_USAGE_COLUMNS = (
-    "team_id, key_id, user_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost_micros"
+    "team_id, key_id, user_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost_micros,"
+    " cost_rem_femtos"
 )
+# A row's exact cost in femto-USD, summed over a group (cost_micros * 10^9 + cost_rem_femtos, each summed in SQL).
+_SUM_COST = "COALESCE(SUM(cost_micros), 0), COALESCE(SUM(cost_rem_femtos), 0)"
+_REM_SUM = "usage_daily_keys.cost_rem_femtos + excluded.cost_rem_femtos"  # in an upsert: the row's and the new one's
 # What /admin/usage can group the per-key rows by, and the columns each grouping keeps.
 KEY_GROUPINGS = {"key": ("team_id", "key_id"), "user": ("team_id", "user_id")}
 
@@ -69,16 +76,21 @@ class UsageQueries:
                 )
             if key_rows:
                 db.executemany(
-                    f"INSERT INTO usage_daily_keys ({_KEY_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    f"INSERT INTO usage_daily_keys ({_KEY_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT (team_id, key_id, user_id, day, model) DO UPDATE SET"
                     " requests = usage_daily_keys.requests + excluded.requests,"
                     " prompt_tokens = usage_daily_keys.prompt_tokens + excluded.prompt_tokens,"
                     " completion_tokens = usage_daily_keys.completion_tokens + excluded.completion_tokens,"
                     " cached_tokens = usage_daily_keys.cached_tokens + excluded.cached_tokens,"
-                    " cost_micros = usage_daily_keys.cost_micros + excluded.cost_micros",
+                    # exact cost: femtos below a micro-dollar carry into whole micros (both SETs read the old row;
+                    # integer division on SQLite and PostgreSQL alike; x - x / d * d, as '%' is a placeholder to
+                    # psycopg), so the sum stays exact and far from int64's end
+                    " cost_micros = usage_daily_keys.cost_micros + excluded.cost_micros"
+                    f" + ({_REM_SUM}) / {FEMTOS_PER_MICRO},"
+                    f" cost_rem_femtos = ({_REM_SUM}) - ({_REM_SUM}) / {FEMTOS_PER_MICRO} * {FEMTOS_PER_MICRO}",
                     [
                         (r.team_id, r.key_id, r.user, r.day, r.model, r.requests, r.prompt_tokens,
-                         r.completion_tokens, r.cached_tokens, r.cost_micros)
+                         r.completion_tokens, r.cached_tokens, r.cost_micros, r.cost_rem_femtos)
                         for r in key_rows
                     ],
                 )  # fmt: skip
@@ -122,7 +134,8 @@ class UsageQueries:
         self, group_by: str, team_id: str | None = None, since: str | None = None, until: str | None = None
     ) -> list[tuple]:
         """Daily totals per key ('key': team_id, key_id) or per end user ('user': team_id, user_id), both day bounds
-        inclusive: (team_id, key_or_user, day, model, requests, prompt, completion, cached, cost_micros) tuples."""
+        inclusive: (team_id, key_or_user, day, model, requests, prompt, completion, cached, cost) tuples, cost the
+        exact femto-USD."""
         group = ", ".join(KEY_GROUPINGS[group_by])
         where, params = [], []
         for clause, value in (("team_id = ?", team_id), ("day >= ?", since), ("day <= ?", until)):
@@ -131,22 +144,24 @@ class UsageQueries:
                 params.append(value)
         sql = (
             f"SELECT {group}, day, model, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),"
-            f" SUM(cached_tokens), SUM(cost_micros) FROM usage_daily_keys"
+            f" SUM(cached_tokens), {_SUM_COST} FROM usage_daily_keys"
         )
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += f" GROUP BY {group}, day, model ORDER BY day, {group}, model"
-        return [(*r[:4], *(int(v) for v in r[4:])) for r in self._read(sql, params)]
+        return [(*r[:4], *(int(v) for v in r[4:8]), _femtos(r[8], r[9])) for r in self._read(sql, params)]
 
-    def spent_by_key(self, since_day: str) -> list[tuple[str, str, int, int]]:
-        """(team_id, key_id, prompt + completion tokens, cost micro-USD) per key since a day (inclusive): seeds the
-        keys' own budgets, and the teams' spend budgets (every request with a usage row has a key)."""
+    def spent_by_key(self, since_day: str, *, femtos: bool = False) -> list[tuple[str, str, int, int]]:
+        """(team_id, key_id, prompt + completion tokens, cost) per key since a day (inclusive): seeds the keys' own
+        budgets, and the teams' spend budgets (every request with a usage row has a key). The cost is whole
+        micro-USD, the exact sum rounded down (what spend budgets count), or with `femtos` the exact femto-USD."""
         rows = self._read(
-            "SELECT team_id, key_id, COALESCE(SUM(prompt_tokens + completion_tokens), 0), COALESCE(SUM(cost_micros), 0)"
+            f"SELECT team_id, key_id, COALESCE(SUM(prompt_tokens + completion_tokens), 0), {_SUM_COST}"
             " FROM usage_daily_keys WHERE day >= ? GROUP BY team_id, key_id ORDER BY team_id, key_id",
             (since_day,),
         )
-        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+        unit = 1 if femtos else FEMTOS_PER_MICRO
+        return [(r[0], r[1], int(r[2]), _femtos(r[3], r[4]) // unit) for r in rows]
 
     def usage_watermark(self, writer: str) -> int:
         """The last event seq of `writer` whose usage is stored (0 if none)."""
@@ -161,3 +176,8 @@ class UsageQueries:
             (team_id, since_day),
         )
         return int(rows[0][0])
+
+
+def _femtos(micros, rem_femtos) -> int:
+    """A summed cost_micros and cost_rem_femtos (PostgreSQL sums BIGINT as NUMERIC) as one exact femto-USD int."""
+    return int(micros) * FEMTOS_PER_MICRO + int(rem_femtos)

@@ -1,8 +1,8 @@
 """Usage accounting off the request path: add() is a dict update; a background task flushes the totals.
 
-Rows are summed in memory per (team, UTC day, model), and per (team, key, end user, UTC day, model) with their cost
-for the per-key table, and written in one transaction every `flush_interval_s` and on
-close. A flush that fails puts its rows back (summed with anything added meanwhile) for the next try, so a database
+Rows are summed in memory per (team, UTC day, model), and per (team, key, end user, UTC day, model) with their exact
+cost (femto-USD, policies.pricing) for the per-key table, and written in one transaction every `flush_interval_s` and
+on close. A flush that fails puts its rows back (summed with anything added meanwhile) for the next try, so a database
 outage delays usage but never loses it; close() retries and, as a last resort, logs the rows it could not write.
 Each row comes from an event (`seq`): a flush also stores the writer's last seq it covers, in the same transaction,
 so a crash before the flush costs nothing: start-up replays the events after that watermark (gateway/events.py).
@@ -21,10 +21,11 @@ from dataclasses import asdict
 from gateway.store import Store, UsageRow
 from gateway.store_usage import KeyUsageRow
 from policies.budget import DAY, MONTH, day_key, period_start_day
+from policies.pricing import split_femtos
 
 log = logging.getLogger("tokenweir.usage")
 
-# requests, prompt_tokens, completion_tokens, cached_tokens (and, per key, cost_micros)
+# requests, prompt_tokens, completion_tokens, cached_tokens (and, per key, the exact cost in femto-USD)
 _Totals = list[int]
 _Batch = tuple[dict[tuple[str, str, str], _Totals], dict[tuple[str, str, str, str, str], _Totals]]
 
@@ -57,7 +58,7 @@ class UsageRecorder:
         seq: int | None = None,
         key_id: str | None = None,
         user: str | None = None,
-        cost_micros: int = 0,
+        cost_femtos: int = 0,
     ) -> None:
         """Count one request. Sync and cheap: safe to call from a `finally` while the task is being cancelled."""
         # Checked here, at the caller, because a bad row would fail every later flush of the whole batch.
@@ -71,7 +72,7 @@ class UsageRecorder:
         totals[3] += cached_tokens
         if key_id is not None:
             key_totals = self._pending_keys.setdefault((team_id, key_id, user or "", day, model), [0, 0, 0, 0, 0])
-            for i, v in enumerate((requests, prompt_tokens, completion_tokens, cached_tokens, max(0, cost_micros))):
+            for i, v in enumerate((requests, prompt_tokens, completion_tokens, cached_tokens, max(0, cost_femtos))):
                 key_totals[i] += v
         if seq is not None:
             self.seq = max(self.seq, seq)
@@ -100,7 +101,7 @@ class UsageRecorder:
             batch = (self._pending, self._pending_keys)
             self._pending, self._pending_keys = {}, {}
             rows = [UsageRow(t, d, m, *totals) for (t, d, m), totals in batch[0].items()]
-            key_rows = [KeyUsageRow(*k, *totals) for k, totals in batch[1].items()]
+            key_rows = [_key_row(k, totals) for k, totals in batch[1].items()]
             watermark = (self.writer, self.seq) if self.writer is not None and self.seq else None
             args = (rows, watermark, key_rows) if key_rows else (rows, watermark)
             write = asyncio.ensure_future(asyncio.to_thread(self.store.record_usage, *args))
@@ -154,7 +155,13 @@ class UsageRecorder:
             # Last resort: the log line holds everything needed to replay the row by hand.
             log.error("usage row not written: %s", json.dumps(asdict(row)))
         for k, totals in self._pending_keys.items():
-            log.error("key usage row not written: %s", json.dumps(asdict(KeyUsageRow(*k, *totals))))
+            log.error("key usage row not written: %s", json.dumps(asdict(_key_row(k, totals))))
+
+
+def _key_row(key: tuple[str, str, str, str, str], totals: _Totals) -> KeyUsageRow:
+    """A per-key row as the store keeps it: the exact cost as whole micro-USD plus the femto-USD below one."""
+    *counts, cost_femtos = totals
+    return KeyUsageRow(*key, *counts, *split_femtos(cost_femtos))
 
 
 async def seed_key_budgets(store: Store, state) -> None:
@@ -162,8 +169,9 @@ async def seed_key_budgets(store: Store, state) -> None:
     from the per-key usage rows of this UTC day / month (a restart must not hand out fresh ones)."""
     now = time.time()
     day, month = period_start_day(DAY, now), period_start_day(MONTH, now)
-    today = await asyncio.to_thread(store.spent_by_key, day)
-    this_month = await asyncio.to_thread(store.spent_by_key, month)
+    # exact femto-USD: the budgets carry what is below a micro-dollar on from there
+    today = await asyncio.to_thread(functools.partial(store.spent_by_key, day, femtos=True))
+    this_month = await asyncio.to_thread(functools.partial(store.spent_by_key, month, femtos=True))
     by_key: dict[tuple[str, str], list[int]] = {}
     by_team: dict[str, list[int]] = {}
     for rows, i in ((today, 0), (this_month, 1)):

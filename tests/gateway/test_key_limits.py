@@ -327,7 +327,7 @@ async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(
     for limits in (KeyLimits(), None):
         res = await state.reserve("t", TeamLimits(rpm=5), 1, 1, now=NOW, key_id="k", key_limits=limits, cost=7)
         assert res.key_id == "k"
-        await state.settle(res, 1, 0, now=NOW, cost=3)
+        await state.settle(res, 1, 0, now=NOW, cost=3 * 10**9)  # exact cost in femto-USD: 3 micro-USD
     key = state.snapshot("t", now=NOW, key_id="k")
     assert (key["day"]["spent"], key["day"]["remaining"], key["day_usd"]["spent"]) == (2, None, 0.000006)
     assert state.snapshot("t", now=NOW)["requests_last_minute"] == 2

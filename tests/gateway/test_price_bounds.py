@@ -27,7 +27,7 @@ def test_a_price_that_is_not_a_finite_bounded_number_is_refused_naming_pool_and_
 
 def test_the_dearest_price_on_a_huge_request_is_still_an_exact_integer_cost():
     top = Prices(MAX_PRICE_PER_1M, MAX_PRICE_PER_1M, MAX_PRICE_PER_1M)
-    assert top.cost_micros(10**7, 10**7, 10**6) == 2 * 10**13
+    assert top.cost_femtos(10**7, 10**7, 10**6) == 2 * 10**13 * 10**9  # $2e7 exactly, in femto-USD
     assert top.max_cost_micros(10**7, 10**9) == (10**7 + 10**9) * 10**6
     with pytest.raises(ValueError, match="output_per_1m"):
         Prices(1.0, float("inf"))

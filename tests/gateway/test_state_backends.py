@@ -15,6 +15,7 @@ from gateway.state import InMemoryState
 from gateway.state_redis import RedisState
 from policies.decisions import Rejected
 from policies.limits import TeamLimits
+from policies.pricing import Prices, femtos_to_usd
 from tests.gateway.state_support import NOW, URL, Clock
 
 
@@ -210,6 +211,41 @@ async def test_seed_spend_counts_against_budgets(backend):
         await b.reserve("t", limits, 50, 60, now=NOW)
     assert await b.reserve("t", limits, 50, 50, now=NOW)
     assert a.snapshot("t", now=NOW)["remaining_month"] == 0
+
+
+async def test_10_000_settles_at_a_tiny_price_bill_the_exact_sum(backend):
+    """Each request is worth 1.4e-11 USD (14 tokens at 1e-6 USD per 1M): rounded up per request it would bill $0.01
+    in all. Holds are whole micro-USD; settles bill the exact cost, so the spend is the exact sum, team and key."""
+    prices = Prices(1e-6, 1e-6)
+    limits, hold, cost = TeamLimits(usd_per_day=1.0), prices.max_cost_micros(10, 4), prices.cost_femtos(10, 4)
+
+    async def request(i: int) -> None:
+        res = await backend[i % 2].reserve("t", limits, 10, 4, now=NOW, key_id="k", cost=hold)
+        await backend[(i + 1) % 2].settle(res, 10, 4, now=NOW, cost=cost)
+
+    for start in range(0, 10_000, 100):
+        await asyncio.gather(*(request(i) for i in range(start, start + 100)))
+    exact = 10_000 * 14 * 1e-6 / 1e6  # 1.4e-7 USD
+    for key_id in (None, "k"):
+        snap = backend[0].snapshot("t", now=NOW, key_id=key_id)
+        for period in ("day_usd", "month_usd"):
+            spent = snap[period]["spent"]
+            assert abs(spent - exact) <= 0.01 * exact, (key_id, period, spent)
+            assert (spent, snap[period]["reserved"]) == (femtos_to_usd(10_000 * cost), 0)  # exact, holds all back
+
+
+async def test_spend_below_a_micro_dollar_carries_into_what_budgets_count(backend):
+    a, b = backend
+    a.seed_spend("t", 0, 0, now=NOW, day_cost=1_500_000_000, month_cost=1_500_000_000)  # 1.5 micro-USD, exact
+    limits = TeamLimits(usd_per_day=0.000004)  # 4 micro-USD
+    for _ in range(3):  # 0.6 micro-USD each: 3.3 micro-USD spent in all, 3 whole ones counted against the budget
+        res = await b.reserve("t", limits, 1, 1, now=NOW, cost=1)
+        await a.settle(res, 1, 1, now=NOW, cost=600_000_000)
+    view = b.snapshot("t", now=NOW)["day_usd"]
+    assert (view["spent"], view["reserved"], view["remaining"]) == (femtos_to_usd(3_300_000_000), 0, 0.000001)
+    with pytest.raises(Rejected):
+        await a.reserve("t", limits, 1, 1, now=NOW, cost=2)
+    assert await a.reserve("t", limits, 1, 1, now=NOW, cost=1)
 
 
 async def test_limits_changed_live_apply_to_existing_counts(backend):

@@ -116,7 +116,8 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
         now += rng.random() * 2
         if held and rng.random() < 0.4:
             r1, r2 = held.pop(rng.randrange(len(held)))
-            prompt, completion, cost = rng.randint(0, 50), rng.randint(0, 200), rng.randint(0, 30_000)
+            prompt, completion = rng.randint(0, 50), rng.randint(0, 200)
+            cost = rng.randint(0, 30_000 * 10**9)  # exact femto-USD: its part below a micro-dollar carries too
             await redis_state.settle(r1, prompt, completion, now=now, cost=cost)
             await memory.settle(r2, prompt, completion, now=now, cost=cost)
             continue

@@ -25,9 +25,9 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1, 2, 3]
+    assert store.schema_versions() == [1, 2, 3, 4]
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1, 2, 3]
+    assert store.schema_versions() == [1, 2, 3, 4]
 
 
 def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
@@ -225,14 +225,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1, 2, 3]
+        assert stores[0].schema_versions() == [1, 2, 3, 4]
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1, 2, 3]
+    assert mem.schema_versions() == [1, 2, 3, 4]
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()
@@ -296,23 +296,33 @@ def test_key_limits_and_per_key_usage_persist(store: Store):
     store.record_usage(
         [UsageRow(team.id, "2026-03-01", "m", 3, 30, 15, 0)],
         key_rows=[
-            KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 10, 5, 0, 700),
+            # costs: whole micro-USD, then the femto-USD below a micro-dollar
+            KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 10, 5, 0, 700, 700_000_000),
             KeyUsageRow(team.id, key.id, "bob", "2026-03-01", "m", 1, 10, 5, 0, 700),
             KeyUsageRow(team.id, plain.id, "alice", "2026-03-01", "m", 1, 10, 5, 0, 700),
         ],
     )
-    store.record_usage([], key_rows=[KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 1, 1, 0, 10)])
+    alice = KeyUsageRow(team.id, key.id, "alice", "2026-03-01", "m", 1, 1, 1, 0, 10, 600_000_000)
+    store.record_usage([], key_rows=[alice])
+    # the upsert carries 1.3e9 femto-USD into a whole micro-dollar: 711 micro-USD and 3e8 femto-USD, exactly
+    assert store._read(
+        "SELECT cost_micros, cost_rem_femtos FROM usage_daily_keys WHERE key_id = ? AND user_id = 'alice'", (key.id,)
+    ) == [(711, 300_000_000)]
+    micro = 10**9  # femto-USD: reports sum the exact cost
     assert sorted(store.usage_by("key", team.id)) == sorted(
         [
-            (team.id, key.id, "2026-03-01", "m", 3, 21, 11, 0, 1410),
-            (team.id, plain.id, "2026-03-01", "m", 1, 10, 5, 0, 700),
+            (team.id, key.id, "2026-03-01", "m", 3, 21, 11, 0, 1411 * micro + 300_000_000),
+            (team.id, plain.id, "2026-03-01", "m", 1, 10, 5, 0, 700 * micro),
         ]
     )
     users = {r[1]: r for r in store.usage_by("user", team.id, since="2026-03-01", until="2026-03-01")}
-    assert users["alice"][4:] == (3, 21, 11, 0, 1410) and users["bob"][4:] == (1, 10, 5, 0, 700)
+    assert users["alice"][4:] == (3, 21, 11, 0, 1411 * micro + 300_000_000)
+    assert users["bob"][4:] == (1, 10, 5, 0, 700 * micro)
     assert store.usage_by("user", team.id, since="2026-03-02") == []
+    spent = {k: (tokens, cost) for _, k, tokens, cost in store.spent_by_key("2026-03-01", femtos=True)}
+    assert spent == {key.id: (32, 1411 * micro + 300_000_000), plain.id: (15, 700 * micro)}
     spent = {k: (tokens, cost) for _, k, tokens, cost in store.spent_by_key("2026-03-01")}
-    assert spent == {key.id: (32, 1410), plain.id: (15, 700)}
+    assert spent == {key.id: (32, 1411), plain.id: (15, 700)}  # whole micro-USD, what spend budgets count
 
     store.delete_team(team.id)  # its keys' limits go with it; the usage rows stay for billing
     assert store.get_key(key.id) is None and store.spent_by_key("2026-03-01")

@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from gateway.state import InMemoryState
 from gateway.store import Store, UsageRow
-from gateway.usage import UsageRecorder
+from gateway.usage import UsageRecorder, seed_key_budgets
+from policies.pricing import Prices, femtos_to_usd
 from tests.gateway.store_fixtures import open_store
 
 
@@ -151,3 +153,24 @@ async def test_bad_usage_is_refused_at_the_call_site(store):
         UsageRecorder(store).add("t", "m", -1, 0)
     with pytest.raises(AssertionError):
         UsageRecorder(store).add(None, "m", 1, 0)  # an admin key without a team has nothing to bill
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_10_000_requests_at_a_tiny_price_are_stored_and_seeded_at_their_exact_sum(kind, tmp_path):
+    """14 tokens at 1e-6 USD per 1M: 1.4e-11 USD a request, 1.4e-7 USD for 10,000 (rounded up per request: $0.01).
+    Ten flushes upsert onto one row; the report and the budgets seeded at a restart read the exact sum."""
+    prices = Prices(1e-6, 1e-6)
+    with open_store(kind, tmp_path) as store:
+        rec = UsageRecorder(store)
+        for i in range(10_000):
+            rec.add("t", "m", 10, 4, key_id="k", user="alice", cost_femtos=prices.cost_femtos(10, 4))
+            if i % 1000 == 999:
+                await rec.flush()
+        exact_usd, exact_femtos = 10_000 * 14 * 1e-6 / 1e6, 10_000 * 14_000
+        ((*_, requests, prompt, completion, _cached, cost),) = store.usage_by("key", "t")
+        assert (requests, prompt, completion) == (10_000, 100_000, 40_000)
+        assert abs(femtos_to_usd(cost) - exact_usd) <= 0.01 * exact_usd and cost == exact_femtos
+        state = InMemoryState()
+        await seed_key_budgets(store, state)
+        for key_id in (None, "k"):
+            assert state.snapshot("t", key_id=key_id)["day_usd"]["spent"] == femtos_to_usd(exact_femtos)
