@@ -39,12 +39,13 @@ from gateway.routes import router
 from gateway.services import Services, get_services
 from gateway.state import InMemoryState, StateUnavailable
 from gateway.state_redis import REDIS_ERRORS, RedisState
+from gateway.state_repair import StateWatch
 from gateway.store import Store
 from gateway.upstream import Upstreams
 from gateway.usage import UsageRecorder, seed_key_budgets
 from policies.budget import DAY, MONTH, day_key, period_start_day
-
 from policies.pricing import usd_to_femtos
+
 log = get_logger()
 
 
@@ -87,7 +88,10 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             await seed_budgets(st, state)
         else:
             admission.state_ready = False
-            seeding = asyncio.create_task(seed_until_ready(st, state, admission))
+            watch = None
+            if isinstance(state, RedisState):
+                watch = StateWatch(state, st, usage, watch_s=config.state.watch_s)
+            seeding = asyncio.create_task(seed_until_ready(st, state, admission, watch))
         await asyncio.to_thread(admission.counters.warm)
         await usage.start()
         await outbox.start()
@@ -173,14 +177,20 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
     return billed
 
 
-async def seed_until_ready(store: Store, state, admission: Admission) -> None:
-    """Seed the shared state's budgets, retrying while it is unreachable; admission waits for it (503 meanwhile)."""
+async def seed_until_ready(store: Store, state, admission: Admission, watch: StateWatch | None = None) -> None:
+    """Seed the shared state's budgets, retrying while it is unreachable; admission waits for it (503 meanwhile).
+    With a `watch` (Redis), it then watches the state's epoch and rebuilds it after a loss (gateway.state_repair)."""
     delay = 0.25
     while True:
         try:
-            await seed_budgets(store, state)
+            if watch is None:
+                await seed_budgets(store, state)
+            else:
+                await watch.start()
             admission.state_ready = True
             log.info("state_ready")
+            if watch is not None:
+                await watch.run()
             return
         except (StateUnavailable, *REDIS_ERRORS) as e:
             log.warning("state_unreachable_at_start", error=f"{type(e).__name__}: {e}", retry_in_s=delay)

@@ -154,8 +154,13 @@ class StateConfig:
     # write the spend to Redis when it returns.
     on_unavailable: str = "fail_closed"
     retry_after_s: int = 2
+    # how often each replica checks that Redis still holds its data (an epoch marker); a loss is repaired within
+    # about twice this (gateway.state_repair)
+    watch_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.watch_s <= 0:
+            raise ValueError(f"state.watch_s: expected a number of seconds > 0, got {self.watch_s!r}")
         if self.on_unavailable not in ("fail_closed", "fail_open"):
             raise ValueError(f"state.on_unavailable: expected fail_closed or fail_open, got {self.on_unavailable!r}")
         if self.max_connections < 1 or self.pool_timeout_s <= 0 or self.timeout_s <= 0:

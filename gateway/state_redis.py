@@ -19,11 +19,13 @@ import contextlib
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio as aioredis
 
 from gateway.state import StateUnavailable
+from gateway.state_redis_epoch import LiveHold, StateUnseeded
 from gateway.state_redis_keys import RedisKeyLayout
 from gateway.state_redis_lua import (
     ACQUIRE,
@@ -39,9 +41,9 @@ from gateway.state_redis_lua import (
 from gateway.state_redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
 from policies.budget import as_key_rejection
 from policies.limits import KeyLimits, TeamLimits, usd_micros
+from policies.pricing import split_femtos
 from policies.rate import SLOTS, WINDOW_S
 from policies.reservation import Reservation
-from policies.pricing import split_femtos
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
@@ -61,7 +63,10 @@ class RedisState:
     `hold_s` how long its budget holds last (default lease_s; the app sets it past the longest request, so a
     hold is never reaped while its request still runs). Every call has a socket timeout and the pool waits up
     to `pool_timeout_s` for a free connection instead of failing at once; a call that still fails raises
-    `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release."""
+    `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release.
+
+    `require_seeded`: refuse (StateUnseeded) a team Redis holds no seeded spend for, after calling `on_unseeded`
+    (which may seed it and answer True, and the reserve is tried again); the app sets both (gateway.state_repair)."""
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class RedisState:
         pool_timeout_s: float = 2.0,
         timeout_s: float = 2.0,
         clock=time.time,
+        require_seeded: bool = False,
     ) -> None:
         assert lease_s > 0 and (hold_s is None or hold_s > 0)
         self._keys = RedisKeyLayout(prefix)
@@ -98,6 +104,22 @@ class RedisState:
         self._renew = self._redis.register_script(RENEW)
         self._leases: dict[tuple[str, str | None], list[str]] = {}  # live slot leases per (team, key or None)
         self._renewer: asyncio.Task | None = None
+        self.live_holds: dict[str, LiveHold] = {}  # by hold id, until settled
+        self.require_seeded = require_seeded
+        self.on_unseeded: Callable[[str], Awaitable[bool]] | None = None
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._redis
+
+    @property
+    def keys(self) -> RedisKeyLayout:
+        return self._keys
+
+    @property
+    def leases(self) -> dict[tuple[str, str | None], list[str]]:
+        """This replica's live slot leases per (team, key or None)."""
+        return self._leases
 
     def _reserve_subject(self, team_id: str, key_id: str | None, limits, now: float) -> tuple[list, list]:
         """One subject's KEYS and ARGV for the RESERVE script (state_redis_lua.RESERVE_KEYS / _SUBJECT_ARGV)."""
@@ -128,6 +150,7 @@ class RedisState:
         key_id: str | None = None,
         key_limits: KeyLimits | None = None,
         cost: int = 0,
+        seeding_tried: bool = False,
     ) -> Reservation:
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         now = self._clock() if now is None else now
@@ -151,6 +174,7 @@ class RedisState:
             month_expire_s=m_exp,
             res_id=res_id,
             hold_s=self.hold_s,
+            require_seeded=int(self.require_seeded),
         )
         for sub_key, sub_limits in subjects:
             sub_keys, sub_args = self._reserve_subject(team_id, sub_key, sub_limits, now)
@@ -164,6 +188,11 @@ class RedisState:
             undo = {"op": "settle", "team_id": team_id, "res_id": res_id, "tokens": 0, "now": now}
             undo |= {"key_id": counted_key, "cost": 0}
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
+        if code == 7:
+            if not seeding_tried and self.on_unseeded is not None and await self.on_unseeded(team_id):
+                key = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
+                return await self.reserve(team_id, limits, prompt_tokens, max_tokens, now, **key)
+            raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
         used = [int(u) for u in used]
         headers = merged_headers([lim for _, lim in subjects], used, now)
         if code != 0:
@@ -171,6 +200,7 @@ class RedisState:
             rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
             rejection = reserve_rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
             raise as_key_rejection(rejection) if i else rejection
+        self.live_holds[res_id] = LiveHold(team_id, counted_key, n, cost, now, d, m)
         return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
 
     async def settle(
@@ -186,6 +216,7 @@ class RedisState:
         assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
         if reservation.settled:
             return reservation
+        self.live_holds.pop(reservation.backend_id or "", None)
         now = self._clock() if now is None else now
         op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
         op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
@@ -215,6 +246,7 @@ class RedisState:
                 # KEYS per subject: tpm_window day_hash month_hash holds_zset meta_hash res_hash (lua.SETTLE_KEYS)
                 keys += [self._keys.key(team_id, sub + "tpm"), day_k, month_k, self._keys.key(team_id, sub + "holds")]
                 keys += [self._keys.key(team_id, sub + "meta"), self._keys.key(team_id, f"{sub}res:{res_id}")]
+            cost_micros, cost_below_micro = split_femtos(op.get("cost", 0))  # exact femto-USD, split for int64 maths
             args = script_args(
                 SETTLE_ARGV,
                 now=repr(now),
@@ -247,7 +279,6 @@ class RedisState:
         the call so that a restart after this process dies can release it by name (gateway/inflight.py)."""
         lease_id = lease_id or uuid.uuid4().hex
         keys = [self._keys.key(team_id, "slots")]
-            cost_micros, cost_below_micro = split_femtos(op.get("cost", 0))  # exact femto-USD, split for int64 maths
         if key_id is not None:
             keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
         args = script_args(

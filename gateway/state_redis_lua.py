@@ -47,8 +47,9 @@ WINDOW_ARGV = ("slot_s", "slots", "day_period", "month_period", "day_expire_s", 
 # token and spend budgets, all checked before anything is taken; reaps expired holds first. Returns
 # {code, detail, subject, rpm_used, tpm_used, ...one pair per subject}: code 0 taken, 1 rpm (detail: wait s),
 # 2 tpm (wait s, -1 never), 3 day / 4 month token budget, 5 day / 6 month spend budget (detail: what is left);
-# subject: which one said no (1 team, 2 key).
-RESERVE_ARGV = ("now", "tokens", "cost", *WINDOW_ARGV, "hold_s")
+# subject: which one said no (1 team, 2 key); 7: the team's spend is not seeded in this Redis (its data was lost or
+# never seeded; gateway.state_repair), nothing taken.
+RESERVE_ARGV = ("now", "tokens", "cost", *WINDOW_ARGV, "hold_s", "require_seeded")
 # Then, per subject, in this order (`subject_args`); KEYS per subject: RESERVE_KEYS.
 RESERVE_SUBJECT_ARGV = ("rpm_limit", "tpm_limit", "day_limit", "month_limit", "cost_day_limit", "cost_month_limit",
                         "res_prefix")  # fmt: skip
@@ -59,8 +60,9 @@ RESERVE = (
 -- KEYS: per subject rpm_window tpm_window day_hash month_hash holds_zset meta_hash
 -- ARGV: now, tokens (prompt + max_tokens to hold), cost (micro-USD to hold), slot_s, slots (window slot length and
 --   count), day_period, month_period (the current periods' keys), day_expire_s, month_expire_s (the period hashes'
---   TTLs), res_id, hold_s (the hold's lease); then per subject: rpm_limit, tpm_limit, day_limit, month_limit,
---   cost_day_limit, cost_month_limit (-1: unlimited), res_prefix
+--   TTLs), res_id, hold_s (the hold's lease), require_seeded (1: refuse a team whose meta has no seed marker);
+--   then per subject: rpm_limit, tpm_limit, day_limit, month_limit, cost_day_limit, cost_month_limit
+--   (-1: unlimited), res_prefix
 local now_text, n, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
 local day_period, month_period = ARGV[6], ARGV[7]
@@ -69,9 +71,16 @@ local res_id, hold_s = ARGV[10], tonumber(ARGV[11])
 local now = tonumber(now_text)
 local cur = math.floor(now / slot_s)
 
+-- a budget that forgot its spend (a FLUSH, a failover to an empty replica) must not be admitted against
+if ARGV[12] == '1' and redis.call('HEXISTS', KEYS[6], 'seeded') == 0 then
+  local zeros = {}
+  for i = 1, #KEYS / 6 * 2 do zeros[i] = 0 end
+  return {7, '0', 1, unpack(zeros)}
+end
+
 local subjects = {}
 for i = 1, #KEYS / 6 do
-  local k, a = (i - 1) * 6, 11 + (i - 1) * 7
+  local k, a = (i - 1) * 6, 12 + (i - 1) * 7
   subjects[i] = {
     rpm_window = KEYS[k + 1], tpm_window = KEYS[k + 2], day_hash = KEYS[k + 3], month_hash = KEYS[k + 4],
     holds_zset = KEYS[k + 5], meta_hash = KEYS[k + 6],
@@ -213,6 +222,10 @@ for i = 1, #KEYS / 6 do
       redis.call('HINCRBY', p[1], 'spent', actual)
       redis.call('HINCRBY', p[1], 'overshoot', over)
       redis.call('HINCRBY', p[1], 'cost_spent', actual_cost)
+      if redis.call('HINCRBY', p[1], 'cost_spent_rem', actual_cost_rem) >= FEMTOS_PER_MICRO then
+        redis.call('HINCRBY', p[1], 'cost_spent_rem', -FEMTOS_PER_MICRO)
+        redis.call('HINCRBY', p[1], 'cost_spent', 1)
+      end
       redis.call('HINCRBY', p[1], 'cost_overshoot', cost_over)
       redis.call('EXPIRE', p[1], p[4])
     end
@@ -222,10 +235,6 @@ for i = 1, #KEYS / 6 do
     redis.call('EXPIRE', res_hash, 86400)
     if i == 1 then result = over end
   end
-      if redis.call('HINCRBY', p[1], 'cost_spent_rem', actual_cost_rem) >= FEMTOS_PER_MICRO then
-        redis.call('HINCRBY', p[1], 'cost_spent_rem', -FEMTOS_PER_MICRO)
-        redis.call('HINCRBY', p[1], 'cost_spent', 1)
-      end
 end
 return result
 """
