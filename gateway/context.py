@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
     from gateway.auth import Principal
-    from gateway.relay import ChunkFilter, SSEStream
+    from gateway.relay import SSEStream
+    from gateway.stream_chunks import ChunkFilter
     from gateway.upstream import Hop
 
 # Client strings copied into events, logs and metric labels are cut to this many characters.

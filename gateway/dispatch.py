@@ -20,6 +20,7 @@ from gateway.http1 import HTTP1Pool, HTTPError
 from gateway.metrics import Metrics
 from gateway.prompt_ids import prompt_token_ids
 from gateway.settle import Settler
+from gateway.stream_chunks import ChunkFilter, generated_text
 from gateway.upstream import Hop, Upstreams
 
 # The upstream path of each kind of request (the same as the client's).
@@ -149,7 +150,7 @@ class Dispatcher:
     def estimated_usage(self, ctx: RequestContext, answer: dict) -> dict:
         """An upstream that reported no usage: the prompt as admission counted it, the output as the text of every
         choice counts (the same documented estimate as a stream cut off before its usage)."""
-        text = relay.generated_text(answer)
+        text = generated_text(answer)
         completion = self.settler.counter(ctx.model).count_text(text) if text else 0
         return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion}
 
@@ -158,8 +159,14 @@ class Dispatcher:
         ttft, total = self.timeouts(ctx)
         first_deadline = min(loop.time() + ttft, ctx.deadline_base + total)
         ctx.incomplete = hop.instance.cfg.engine
-        chunks = ctx.chunks = relay.ChunkFilter(
-            ctx.client_usage, ctx.client_continuous, not hop.instance.cfg.engine, time.perf_counter
+        per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
+        chunks = ctx.chunks = ChunkFilter(
+            ctx.client_usage,
+            ctx.client_continuous,
+            not hop.instance.cfg.engine,
+            time.perf_counter,
+            per_choice,
+            ctx.choices,
         )
         first: list[bytes] = []
         try:
@@ -209,14 +216,14 @@ class Dispatcher:
             pending: list[bytes] = []  # events that arrived together leave together: one write, not several
             try:
                 async with asyncio.timeout_at(deadline):  # one timer for the whole stream, not one per chunk
-                    while not chunks.done:
+                    while not chunks.done and not chunks.cut_off:
                         data = await sse.next()
                         if data is None:
                             break
                         out = chunks.process(data)
                         if out is not None:
                             pending.append(out)
-                        if pending and not sse.buffered and not chunks.done:
+                        if pending and not sse.buffered and not chunks.done and not chunks.cut_off:
                             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
                             pending.clear()
             except TimeoutError:
@@ -224,6 +231,8 @@ class Dispatcher:
                 tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
             except HTTPError as e:  # the upstream connection broke mid-body
                 ctx.hop.error = f"{ctx.hop.where}: {e}"
+            if chunks.cut_off and ctx.status == "ok":
+                pending.append(await self.cut_at_reservation(ctx))
             if chunks.done:
                 ctx.incomplete = False
             elif ctx.status != "timeout":
@@ -239,6 +248,31 @@ class Dispatcher:
             return True
         except OSError:
             return False
+
+    async def cut_at_reservation(self, ctx: RequestContext) -> bytes:
+        """The upstream went past the max_tokens it was sent (the reservation): read nothing more of it, close its
+        stream and stop an engine (whose answer is the exact count made). The bill is the upstream's own usage if
+        any came, else what was relayed, counted as a stream without usage is (each delta at least one token); the
+        client gets the same usage, if it asked for it, then [DONE]. Returns those last events."""
+        chunks, hop = ctx.chunks, ctx.hop
+        ctx.reason, ctx.finish_reason = "output_cut", "length"
+        sse, ctx.sse = ctx.sse, None
+        await sse.aclose()
+        if hop.instance.cfg.engine:  # still `incomplete`: a client gone during the abort gets one from finish
+            answer = await relay.abort(self.client, hop, ctx.upstream_id)
+            ctx.incomplete = False
+            if answer and answer.get("usage"):
+                ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
+        if not ctx.usage and chunks.usage:
+            ctx.usage, ctx.usage_source = chunks.usage, "upstream"
+        if not ctx.usage:
+            text = "".join(chunks.text)
+            counted = self.settler.counter(ctx.model).count_text(text) if text else 0
+            completion = max(counted, sum(chunks.relayed.values()))
+            total = ctx.prompt_tokens + completion
+            ctx.usage = {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion, "total_tokens": total}
+            ctx.usage_source = "estimate_text"
+        return chunks.ending(ctx.usage if ctx.client_usage else None)
 
 
 def _rate_headers(ctx: RequestContext) -> dict[str, str]:

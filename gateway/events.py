@@ -32,7 +32,7 @@ FIELDS = (
     "instance",
     "priority",
     "status",
-    "reason",
+    "reason",  # why it is not ok; on an ok stream, "output_cut": its upstream went past max_tokens and was cut there
     "http_status",
     "prompt_tokens",
     "completion_tokens",

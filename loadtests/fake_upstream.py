@@ -123,7 +123,7 @@ class FakeUpstream:
             n_tokens = min(n_tokens, int(max_tokens))
         try:
             if req.get("stream"):
-                await self._stream(send, req, record, n_tokens, knobs, chat)
+                await self._stream(send, receive, req, record, n_tokens, knobs, chat)
             else:
                 await self._complete(send, req, record, n_tokens, knobs, chat)
         finally:
@@ -158,7 +158,18 @@ class FakeUpstream:
             answer["usage"] = _usage(record)
         await _json(send, 200, answer)
 
-    async def _stream(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+    async def _stream(self, send, receive, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+        # A client that goes away stops the generation, as in vLLM and our engine (uvicorn drops writes to a closed
+        # connection silently): the record then counts what was made until then, and its status is "cancelled".
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await self._stream_events(send, req, record, n_tokens, knobs, chat, gone)
+        finally:
+            gone.cancel()
+
+    async def _stream_events(
+        self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool, gone: asyncio.Future
+    ) -> None:
         opts = req.get("stream_options") or {}
         include_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
         if not knobs.get("usage", True):
@@ -186,12 +197,12 @@ class FakeUpstream:
         fail_after, itl = knobs.get("fail_after"), knobs.get("itl_ms", 0)
         n = _choices(req)
         for i in range(n_tokens):
-            if record.status == "aborted":
-                break
             if i and itl:
                 await asyncio.sleep(itl / 1000)
-                if record.status == "aborted":
-                    break
+            if gone.done() and record.status == "running":
+                record.status = "cancelled"
+            if record.status in ("aborted", "cancelled"):
+                break
             if fail_after is not None and i >= fail_after:
                 record.status = "cancelled"
                 raise ConnectionResetError("injected stream failure")  # uvicorn closes the connection
@@ -284,6 +295,12 @@ def _usage(r: FakeRecord) -> dict:
 
 def _err(message: str, type_: str, code: str) -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (the request's body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_body(receive) -> bytes:

@@ -14,6 +14,22 @@ PYTHONPATH = that tree's root), so a copy of the tree under /tmp runs its own `g
 editable install's: `Gateway.imported_from()` prints where `gateway` really comes from.
 
 `before=True` writes HEAD's config format: no `state:` section (HEAD's loader rejects unknown keys).
+
+Invariants every scenario checks once its traffic has ended (tests/faults/scenarios.py: `settle_and_stop`,
+`check_contract`), whatever the fault:
+  (a) served <= reserved, per request: an event's completion_tokens never exceed its max_tokens (the output its
+      reservation held: per choice x choices), unless the event names the excess in `overrun_tokens`, and then
+      exactly (`beyond_reservation`). A stream that goes past its bound is cut there (`reason: output_cut`).
+  (b) billed once, and what was made: the sum of prompt + completion tokens over the events == the store's usage
+      rows (in all, and per team) == what the fake upstream counted making (a scenario that breaks the link to
+      the upstream counts what reached the gateway instead: the upstream's counters also count tokens it wrote
+      into the dead connection).
+  (c) nothing outlives its request: within a few seconds of the traffic's end (`leaks_redis` waits 4 s; the
+      leases live 60 s and the holds 15 min, so this is the gateway handing them back, not their expiry), every
+      subject's `slots` and `holds` zsets in Redis are empty and its meta `reserved` is 0 (the team's and each
+      API key's, gateway/state_redis_keys.py), or the in-memory state's in-flight, open reservations and
+      reserved tokens are 0; and each gateway still running reports nothing in flight upstream or queued
+      (`in_flight_left`, from its /metrics).
 """
 
 from __future__ import annotations
@@ -227,6 +243,7 @@ class Team:
     name: str
     secret: str
     limits: object
+    key_id: str = ""
 
 
 class Stack:
@@ -250,6 +267,7 @@ class Stack:
         self._want_upstream_proxy, self._want_redis_proxy = upstream_proxy, redis_proxy
         self.gateways: list[Gateway] = []
         self.teams: list[Team] = []
+        self.seeded: dict[str, int] = {}  # team id -> tokens of usage put in the store before the traffic
         self.fake = None
         self.upstream = None
         self.upstream_proxy = None
@@ -327,8 +345,8 @@ class Stack:
         limits = limits or TeamLimits()
         name = f"faults-{label}-{secrets.token_hex(4)}"
         t = self.store.create_team(name, limits)
-        secret, _ = self.store.create_key(t.id, "faults")
-        team = Team(t.id, name, secret, limits)
+        secret, key = self.store.create_key(t.id, "faults")
+        team = Team(t.id, name, secret, limits, key.id)
         self.teams.append(team)
         return team
 
@@ -340,6 +358,7 @@ class Stack:
 
         day = datetime.now(UTC).strftime("%Y-%m-%d")
         self.store.record_usage([UsageRow(team.id, day, MODEL, 1, tokens, 0, 0)])
+        self.seeded[team.id] = self.seeded.get(team.id, 0) + tokens
 
     # --- gateways ----------------------------------------------------------------------------------------
     @property
@@ -434,18 +453,27 @@ class Stack:
         return redis.Redis(host=REDIS_HOST, port=REDIS_PORT, decode_responses=True, socket_timeout=5)
 
     def redis_leaks(self, team_id: str) -> dict:
-        """Straight from Redis (not through the proxy): leases, holds and the reserved tokens left."""
+        """Straight from Redis (not through the proxy): leases, holds and the reserved tokens left, the team's and
+        its API keys' (each key is a subject of its own, under `key:<id>:`)."""
+        subjects = [f"tw:{{{team_id}}}:"]
+        subjects += [f"tw:{{{team_id}}}:key:{t.key_id}:" for t in self.teams if t.id == team_id and t.key_id]
         r = self.redis_client()
         try:
-            k = f"tw:{{{team_id}}}:"
             now = time.time()
             with r.pipeline(transaction=False) as p:
-                p.zcard(k + "slots").zcount(k + "slots", f"({now!r}", "+inf").zcard(k + "holds")
-                p.hget(k + "meta", "reserved")
-                slots, live_slots, holds, reserved = p.execute()
+                for k in subjects:
+                    p.zcard(k + "slots").zcount(k + "slots", f"({now!r}", "+inf").zcard(k + "holds")
+                    p.hget(k + "meta", "reserved")
+                got = p.execute()
         finally:
             r.close()
-        return {"slots": slots, "live_slots": live_slots, "holds": holds, "reserved": int(reserved or 0)}
+        slots, live_slots, holds, reserved = (got[i::4] for i in range(4))
+        return {
+            "slots": sum(slots),
+            "live_slots": sum(live_slots),
+            "holds": sum(holds),
+            "reserved": sum(int(x or 0) for x in reserved),
+        }
 
     def memory_leaks(self, gw: Gateway, team_id: str) -> dict:
         """In-memory state: the live snapshot through the admin API (this replica's counters)."""
@@ -461,6 +489,27 @@ class Stack:
             "holds": int(live.get("open_reservations") or 0),
             "reserved": int(live.get("reserved_tokens") or 0),
         }
+
+    def in_flight_left(self, gw: Gateway) -> int | None:
+        """Requests a gateway still counts as in flight upstream or waiting in a dispatch queue (its /metrics
+        gauges); None when it does not answer."""
+        try:
+            r = httpx.get(gw.url + "/metrics", timeout=5)
+        except httpx.HTTPError:
+            return None
+        gauges = ("tokenweir_gateway_in_flight{", "tokenweir_gateway_queue_depth{")
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines() if line.startswith(gauges)))
+
+    def billed_by_team(self) -> dict[str, tuple[int, int]]:
+        """Team id -> (tokens billed per its events, per the store's usage rows less what `seed_spend` put there)."""
+        billed = dict.fromkeys(self.team_ids(), 0)
+        for e in self.events():
+            billed[e["team"]] += (e.get("prompt_tokens") or 0) + (e.get("completion_tokens") or 0)
+        out = {}
+        for t in self.teams:
+            stored = sum(r.prompt_tokens + r.completion_tokens for r in self.store.usage(team_id=t.id))
+            out[t.id] = (billed[t.id], stored - self.seeded.get(t.id, 0))
+        return out
 
     def clean_redis(self) -> int:
         """Delete this stack's teams' keys (`tw:{<team_id>}:*`)."""
@@ -494,6 +543,16 @@ class Stack:
             if stored == billed or time.monotonic() > deadline:
                 return stored
             time.sleep(0.1)
+
+
+def beyond_reservation(events: list[dict]) -> list[str]:
+    """Events that served more than their reservation held without saying by how much (invariant (a))."""
+    out = []
+    for e in events:
+        completion, bound, overrun = e.get("completion_tokens") or 0, e.get("max_tokens") or 0, e.get("overrun_tokens")
+        if completion > bound + (overrun or 0) or (overrun or 0) != max(0, completion - bound):
+            out.append(f"{e.get('request_id')}: completion {completion}, max_tokens {bound}, overrun {overrun}")
+    return out
 
 
 # --- requests --------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tests.faults.harness import (
     Outcome,
     Req,
     Stack,
+    beyond_reservation,
     completion,
     raw_request,
     run,
@@ -49,6 +50,9 @@ class FaultResult:
     n_5xx: int = 0
     n_500: int = 0
     events_500: int = 0  # events that record an internal error (http_status 500), answered or not
+    beyond_reservation: list[str] = field(default_factory=list)  # events served past their reservation, unsaid
+    teams_unbalanced: list[str] = field(default_factory=list)  # teams whose store usage != their events' sum
+    in_flight_left: int = 0  # requests the gateways still counted in flight or queued after the traffic
     followup: int | None = None  # status of a max_concurrency-2 team's request right after the fault
     statuses: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -114,6 +118,10 @@ def check_accounting(res: FaultResult, *, served_label: str = "upstream served")
         res.problem(f"store usage {res.billed_store} != events' sum {res.billed_events}")
     if res.events_500:
         res.problem(f"{res.events_500} events record an internal error (http_status 500)")
+    if res.beyond_reservation:
+        res.problem(f"{len(res.beyond_reservation)} events served past their reservation: {res.beyond_reservation[:3]}")
+    if res.teams_unbalanced and res.billed_store == res.billed_events:
+        res.problem(f"store usage != events' sum per team (the totals agree): {res.teams_unbalanced[:3]}")
 
 
 def check_leaks(res: FaultResult) -> None:
@@ -122,6 +130,8 @@ def check_leaks(res: FaultResult) -> None:
             f"leaked after the fault: {res.leaked_slots} slot leases, {res.leaked_holds} holds, "
             f"{res.reserved_left} tokens still reserved"
         )
+    if res.in_flight_left:
+        res.problem(f"{res.in_flight_left} requests still in flight or queued in a gateway after the traffic ended")
 
 
 def check_followup(res: FaultResult) -> None:
@@ -187,11 +197,22 @@ def settle_and_stop(st: Stack, res: FaultResult, gateways, seeded: int = 0) -> N
     the final numbers: events, billed per events and per store."""
     st.wait_events(res.requests, timeout=4.0)
     st.wait_store(timeout=3.0, seeded=seeded)
+    res.in_flight_left = in_flight_left(st, [gw for gw in gateways if gw.alive()])
     for gw in gateways:
         rc = gw.stop(timeout=20)
         if rc not in (0, 143, -15, None):
             res.notes.append(f"gateway {gw.name} exited with status {rc} on SIGTERM")
     take_events(st, res, seeded)
+
+
+def in_flight_left(st: Stack, gateways, wait_s: float = 3.0) -> int:
+    """What the running gateways still count as in flight or queued, polled up to `wait_s` for it to reach 0."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = sum(st.in_flight_left(gw) or 0 for gw in gateways)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def take_events(st: Stack, res: FaultResult, seeded: int = 0) -> None:
@@ -200,6 +221,8 @@ def take_events(st: Stack, res: FaultResult, seeded: int = 0) -> None:
     res.events_500 = sum(e.get("http_status") == 500 for e in events)
     res.billed_events = st.events_billed()
     res.billed_store = st.store_billed(seeded)
+    res.beyond_reservation = beyond_reservation(events)
+    res.teams_unbalanced = [f"{t}: events {b}, store {s}" for t, (b, s) in st.billed_by_team().items() if b != s]
 
 
 def _spread(n: int, span_s: float) -> list[float]:

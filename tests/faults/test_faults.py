@@ -10,7 +10,9 @@ the scenario found no breach of the contract:
   - never a 500: Redis unreachable is 503 state_unavailable with Retry-After, /health 503 naming the state
     backend while /livez stays 200, start-up waits for Redis instead of exiting; SIGTERM past the grace period
     answers 503 shutting_down (JSON, or an SSE error event), not a plain-text 500;
-  - a day budget is not spent twice (SIGKILL + restart), nor by two replicas together.
+  - a day budget is not spent twice (SIGKILL + restart), nor by two replicas together;
+  - no request served past its reservation unless its event says by how much, each team's store usage == its
+    events' sum, no gateway still counting a request in flight afterwards (tests/faults/harness.py states all).
 The whole file runs in about two minutes on a slow 2-core machine. Redis is required (CI fails without it).
 `loadtests/fault_table.py` runs the same scenarios and prints them as a table. `TW_FAULTS_BEFORE=1` writes the
 old config format (no `state:` section), to run these tests against a tree from before the reliability fixes.

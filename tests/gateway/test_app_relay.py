@@ -6,7 +6,8 @@ import orjson
 
 from gateway.config import BreakerConfig, UpstreamConfig
 from gateway.events import FIELDS, EventWriter, read_events
-from gateway.relay import ChunkFilter, sse_error
+from gateway.relay import sse_error
+from gateway.stream_chunks import ChunkFilter
 from gateway.upstream import Instance
 
 

@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from gateway import relay
+from gateway import stream_chunks
 from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from gateway.events import read_events
 from gateway.store import Store
@@ -180,9 +180,9 @@ def test_the_text_counted_without_usage_includes_tool_calls_of_every_choice():
             },
         ]
     }
-    assert relay.generated_text(answer) == 'Sure.f{"a":1}'
-    assert relay.choice_text({"tool_calls": [{"index": 0, "function": {"arguments": '"x"'}}]}) == '"x"'
-    assert relay.generated_text({"choices": [{"text": "a"}, {"text": "b"}]}) == "ab"
+    assert stream_chunks.generated_text(answer) == 'Sure.f{"a":1}'
+    assert stream_chunks.choice_text({"tool_calls": [{"index": 0, "function": {"arguments": '"x"'}}]}) == '"x"'
+    assert stream_chunks.generated_text({"choices": [{"text": "a"}, {"text": "b"}]}) == "ab"
 
 
 # --- fields passed through ------------------------------------------------------------------------------------
