@@ -22,8 +22,8 @@ class Reservation:
     overshoot: int = 0  # actual beyond `tokens`, charged in full
     backend_id: str | None = None  # the hold's name in a shared backend (unique across replicas)
     key_id: str | None = None  # the API key whose own counters this hold also took from (None: the team's only)
-    cost: int = 0  # micro-USD held on the spend budgets (policies.pricing)
-    actual_cost: int | None = None
+    cost: int = 0  # micro-USD held on the spend budgets, rounded up (policies.pricing)
+    actual_cost: int | None = None  # femto-USD, exact, once settled
 
     def mark_settled(self, actual_tokens: int, actual_cost: int, overshoot: int) -> Reservation:
         """Record what the request really used (its team's overshoot beyond the hold included): every backend's

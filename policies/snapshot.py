@@ -5,6 +5,7 @@ gateway/state_redis.py) gather their own numbers and build these views here, so 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.budget import seconds_until_reset
@@ -123,7 +124,8 @@ def with_limits(snapshot: dict, limits) -> dict:
             continue
         view = out[name] = dict(snapshot[name])
         limit = usd_micros(usd)
-        taken = round(view["spent"] * 1_000_000) + round(view["reserved"] * 1_000_000)
+        # spent is exact (femto-USD rendered once); a budget counts its whole micro-USD, as the checks do
+        taken = math.floor(view["spent"] * 1_000_000 + 1e-6) + round(view["reserved"] * 1_000_000)
         left = remaining(limit, taken)
         view["limit"] = None if limit is None else round(limit / 1_000_000, 6)
         view["remaining"] = None if left is None else round(left / 1_000_000, 6)
