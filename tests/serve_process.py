@@ -26,13 +26,15 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: list[str], env: dict[str, str] | None = None, timeout_s: float = 60):
-    """Run `python -m gateway.cli serve ARGS` until the block ends (killed if still alive then)."""
+def serve_process(args: list[str], env: dict[str, str | None] | None = None, timeout_s: float = 60):
+    """Run `python -m gateway.cli serve ARGS` until the block ends (killed if still alive then). `env` adds to this
+    process's environment; a None value removes that variable."""
     port = int(args[args.index("--port") + 1])
+    child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={k: v for k, v in child_env.items() if v is not None},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

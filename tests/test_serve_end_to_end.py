@@ -1,4 +1,9 @@
 """The README's main command, for real: `tokenweir serve` starts the gateway and a bundled engine child on SmolLM2.
+One serve process for the module (its start is most of the cost); the test that stops it runs last.
+
+Its engine child takes a random key made at start, in its env (not its command line, which `ps` shows every local
+user), and refuses keyless callers on every route but the probes, /abort included, while the gateway serves through
+it; the serve process's tenant-facing answers name no address.
 
 Through the `openai` SDK: chat non-stream and stream, a stream the client drops halfway, an over-long prompt, an
 unknown model, a bad key. Then the accounting invariant across all three books: the gateway's JSONL events, the
@@ -16,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from engine.flags import API_KEY_ENV
 from gateway.events import read_events
 from gateway.store import Store
 from loadtests.fake_upstream import free_port
@@ -24,11 +30,24 @@ from tests.serve_process import serve_process
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
-ENGINE_KEY = "e2e-engine-key"
 
 
 def metric(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def engine_children(parent: int) -> list[int]:
+    """Pids of `parent`'s children that run engine.server."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"engine.server" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +58,62 @@ def served(tmp_path_factory):
     env = {
         "TOKENWEIR_EVENTS__PATH": str(tmp / "events.jsonl"),
         "TOKENWEIR_USAGE_FLUSH_INTERVAL_S": "600",  # only the SIGTERM flush may write usage: it is under test
-        "TOKENWEIR_ENGINE_API_KEY": ENGINE_KEY,  # the engine's key (else a random one): this test reads its /load
+        API_KEY_ENV: None,  # serve passes its env on: the engine's key must be its own choice
     }
     with serve_process(args, env, timeout_s=240) as served:
-        yield {
-            "url": served.url,
-            "engine": f"http://127.0.0.1:{engine_port}",
-            "proc": served.proc,
-            "tmp": tmp,
-            "demo": served.demo_key,
-        }
+        (pid,) = engine_children(served.proc.pid)
+        environ = dict(
+            item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+        )
+        try:
+            yield {
+                "url": served.url,
+                "engine": f"http://127.0.0.1:{engine_port}",
+                "engine_pid": pid,
+                "engine_key": environ[API_KEY_ENV.encode()].decode(),  # this module reads the engine's /load
+                "proc": served.proc,
+                "output": served.output,
+                "admin": served.admin_key,
+                "tmp": tmp,
+                "demo": served.demo_key,
+            }
+        finally:
+            if served.proc.poll() is None:  # the books test did not run: stop it as it would, engine child included
+                served.proc.send_signal(signal.SIGTERM)
+                served.proc.wait(timeout=60)
+
+
+def test_serves_through_an_engine_child_that_refuses_keyless_callers(served):
+    client = openai.OpenAI(base_url=served["url"] + "/v1", api_key=served["demo"], max_retries=0, timeout=60)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=3, temperature=0
+    )
+    assert chat.usage.completion_tokens >= 1
+
+    engine, key = served["engine"], served["engine_key"]
+    argv = Path(f"/proc/{served['engine_pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"--api-key" not in argv and not any(a.startswith(b"--api-key=") for a in argv)
+    assert len(key) >= 32 and key not in served["output"], "the key is never printed"
+
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("GET", "/load", None),
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/abort", {"request_id": "someone-elses"}),
+    ):
+        r = httpx.request(method, engine + path, json=body, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", f"{method} {path}: {r.text}"
+    assert httpx.get(engine + "/health", timeout=10).status_code == 200
+    assert httpx.get(engine + "/metrics", timeout=10).status_code == 200
+    assert httpx.get(engine + "/v1/models", headers={"authorization": f"Bearer {key}"}).status_code == 200
+
+    health = httpx.get(served["url"] + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["checks"][f"pool:{MODEL}"] == "ok"
+    assert "127.0.0.1" not in health.text and "http://" not in health.text
+    detail = httpx.get(served["url"] + "/health", headers={"authorization": f"Bearer {served['admin']}"}, timeout=10)
+    assert detail.json()["pools"][MODEL][0]["base_url"] == engine
 
 
 def test_openai_sdk_through_gateway_and_exact_books(served):
@@ -93,7 +158,7 @@ def test_openai_sdk_through_gateway_and_exact_books(served):
     # Settle: the dropped stream's abort reaches the engine, then every block must be free again.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        load = httpx.get(served["engine"] + "/load", headers={"authorization": f"Bearer {ENGINE_KEY}"}).json()
+        load = httpx.get(served["engine"] + "/load", headers={"authorization": f"Bearer {served['engine_key']}"}).json()
         if load["num_running"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]:
             break
         time.sleep(0.2)

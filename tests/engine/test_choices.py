@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -17,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024, dtype="float32", quantization="none"))
+def engine(smollm2_float32_engine) -> LLMEngine:
+    return smollm2_float32_engine  # the session's: float32, dense weights, 64 MiB of KV, a 1024-token context
 
 
 @pytest.fixture(scope="module")

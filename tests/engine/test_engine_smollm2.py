@@ -47,13 +47,8 @@ def prompts(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(llm, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
-    )
+def expected(llm, prompts, smollm2_hf_float32) -> list[list[int]]:
+    hf = smollm2_hf_float32
     stop = sorted(llm.engine.stop_token_ids)
     refs = []
     for p in prompts:

@@ -42,9 +42,16 @@ def test_the_loader_keeps_every_quantized_matrix_of_the_file_as_stored():
     assert torch.equal(down.data, torch.from_numpy(stored["blk.3.ffn_down.weight"].data.copy()))
 
 
+@pytest.fixture(scope="module")
+def gguf_llm() -> LLM:
+    """One `--quantization gguf` engine for the module (building one reads the file three times); 16-token steps, so
+    prompts are prefilled in chunks."""
+    return LLM(default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=16)
+
+
 @pytest.mark.slow
-def test_a_gguf_engine_multiplies_by_the_files_blocks_and_serves_requests():
-    llm = LLM(default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=16)
+def test_a_gguf_engine_multiplies_by_the_files_blocks_and_serves_requests(gguf_llm):
+    llm = gguf_llm
     model = llm.engine.model
     assert llm.engine.precision.quantization == "gguf"
     assert all(isinstance(p, Q4Linear) for layer in model.layers for p in layer.projections())
@@ -57,12 +64,12 @@ def test_a_gguf_engine_multiplies_by_the_files_blocks_and_serves_requests():
 
 
 @pytest.mark.slow
-def test_gguf_answers_the_capital_of_france_as_llama_cpp_does():
+def test_gguf_answers_the_capital_of_france_as_llama_cpp_does(gguf_llm):
     # float32 on the same weights answers "The capital of France is Paris.", but its first token beats "L" by 0.08
     # logits only: rounding the activations to 8 bits flips it. llama-server (llama.cpp 0.3.36, same GGUF, greedy)
     # answers "L'Étoile, la Marseillaise, la femme au roi, la femme au ro", as w8a8 and this mode do: the numerics
-    # are llama.cpp's, this answer included.
-    llm = LLM(default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32)
+    # are llama.cpp's, this answer included (its prompt prefilled in 16-token chunks or in one: the same answer).
+    llm = gguf_llm
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.new_text.startswith("L'Étoile, la Marseillaise")

@@ -19,7 +19,6 @@ from engine.loader import load_gguf_blocks, load_model_weights
 from engine.model import LlamaForCausalLM
 from engine.perplexity import perplexity, window_logprobs
 from engine.precision import has_native_bf16
-from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "gfdl-1.3.txt")
@@ -32,11 +31,17 @@ def weights():
 
 
 @pytest.fixture(scope="module")
-def corpus() -> list[int]:
+def corpus(smollm2_tokenizer) -> list[int]:
     with open(CORPUS) as f:
-        ids = Tokenizer.from_gguf(default_model_path()).encode(f.read())
+        ids = smollm2_tokenizer.encode(f.read())
     assert len(ids) > TOKENS
     return ids[:TOKENS]
+
+
+@pytest.fixture(scope="module")
+def gguf_blocks():
+    """The file's own blocks, read once: the models built on them repack them, never change them."""
+    return load_gguf_blocks(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +50,11 @@ def float32_result(weights, corpus):
     return perplexity(LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "none"), corpus)
 
 
-def test_float32_log_likelihood_equals_hf_transformers_loss(weights, corpus):
-    from transformers import AutoModelForCausalLM
-
+def test_float32_log_likelihood_equals_hf_transformers_loss(weights, corpus, smollm2_hf_float32):
     config, state = weights
     window = corpus[:256]
     ours, _ = window_logprobs(LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "none"), window)
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
-    )
+    hf = smollm2_hf_float32
     with torch.inference_mode():
         ids = torch.tensor([window])
         loss = hf(ids, labels=ids).loss.item()
@@ -99,16 +99,14 @@ def test_w8a8_decode_kernel_stays_within_3_percent_of_float32_perplexity(weights
 
 @pytest.mark.parametrize("mode,planes,bar", [("gguf", 1, 0.95), ("gguf-a16", 2, 0.99)])
 def test_gguf_blocks_stay_within_3_percent_of_float32_perplexity(
-    weights, corpus, float32_result, monkeypatch, mode, planes, bar
+    weights, corpus, float32_result, gguf_blocks, monkeypatch, mode, planes, bar
 ):
     # float32's weights are the file's blocks dequantized, so only the activations' rounding differs. The lm_head's
     # decode kernel is widened to every position, as in the w8a8 test; the Q4_1 kernel takes the 128-row chunks anyway.
     monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
     assert Q4Linear.SMALL_M[planes, torch.float32] >= 128
     config, state = weights
-    model = LlamaForCausalLM(
-        config, state, torch.float32, "cpu", None, 2048, mode, load_gguf_blocks(default_model_path())
-    )
+    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, mode, gguf_blocks)
     assert isinstance(model.layers[0].gate_up_proj, Q4Linear) and model.layers[0].gate_up_proj.planes == planes
     assert model.lm_head.int8_activations and model.lm_head.planes == planes
     label = f"{mode}: Q4_1 x {planes} int8 plane(s), lm_head Q8_0 x {planes} int8 plane(s)"
@@ -117,15 +115,14 @@ def test_gguf_blocks_stay_within_3_percent_of_float32_perplexity(
 
 @pytest.mark.skipif(not has_native_bf16(), reason="no native bf16 on this CPU: prefill chunks stay float32")
 def test_gguf_a16_with_bfloat16_prefill_chunks_stays_within_3_percent_of_float32_perplexity(
-    weights, corpus, float32_result, monkeypatch
+    weights, corpus, float32_result, gguf_blocks, monkeypatch
 ):
     # What auto serves on a CPU with native bf16: decode rows on the two-plane kernel, prefill chunks (128 rows here,
     # over the kernel's 64) as bfloat16 GEMMs on the blocks dequantized for the call, and their attention with
     # bfloat16 dot products.
     monkeypatch.setattr(Int8Linear, "SMALL_M", 1 << 30)
     config, state = weights
-    blocks = load_gguf_blocks(default_model_path())
-    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "gguf-a16", blocks, torch.bfloat16)
+    model = LlamaForCausalLM(config, state, torch.float32, "cpu", None, 2048, "gguf-a16", gguf_blocks, torch.bfloat16)
     assert model.layers[0].gate_up_proj.small_m < 128 and model.layers[0].attention.prefill_bf16
     assert_close_to_float32(model, corpus, float32_result, "gguf-a16, bfloat16 prefill chunks", 0.98)
 

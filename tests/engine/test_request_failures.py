@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, default_model_path
 from engine.llm_engine import LLMEngine, RequestError, RequestFailed
 from engine.output import RequestOutput, TextState
 from engine.sampling_params import SamplingParams
@@ -49,8 +48,10 @@ def response_format(schema: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=default_model_path(), num_threads=2, max_num_seqs=16))
+def engine(smollm2_float32_engine) -> LLMEngine:
+    # The session's engine (float32, dense weights): a request's failure is the scheduler's and the grammar's
+    # business, whatever the weights' format.
+    return smollm2_float32_engine
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, RequestOutput]:

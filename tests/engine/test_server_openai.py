@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig, default_model_path
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server import KEEP_ALIVE_S, build_app
 from engine.tokenizer import Tokenizer
@@ -59,8 +59,8 @@ def client(base_url) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(default_model_path())
+def tokenizer(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

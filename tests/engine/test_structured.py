@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import default_model_path
 from engine.structured import StructuredOutputs, apply_token_bitmask, unpack_masks
 from engine.tokenizer import Tokenizer
 
@@ -112,8 +111,8 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_model_path())
+def tok(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -340,11 +339,10 @@ def test_invalid_specs_raise_helpful_value_errors(so, response_format, words):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_under_mask_writes_valid_json(tok):
+def test_smollm2_greedy_under_mask_writes_valid_json(tok, smollm2_float32_engine):
     """The real model, greedy, its logits masked each step by a loop of our own (no sampler): valid JSON, and the
     mask mattered (at some step the model's own argmax was a token the grammar forbids)."""
     from engine.attention import AttentionMetadata
-    from engine.llm import LLM
 
     schema = {
         "type": "object",
@@ -355,7 +353,7 @@ def test_smollm2_greedy_under_mask_writes_valid_json(tok):
         },
         "required": ["city", "population_millions", "is_capital"],
     }
-    model = LLM(dtype="float32", quantization="none", num_kv_blocks=16, max_num_seqs=1).engine.model
+    model = smollm2_float32_engine.model  # float32, dense weights; this loop keeps its own KV pool
     so = StructuredOutputs(tok, model.config.vocab_size, set(tok.stop_token_ids))
     matcher = so.matcher(so.compile(spec(schema)))
     prompt = tok.encode_chat([{"role": "user", "content": "Describe Paris as JSON."}])

@@ -126,8 +126,8 @@ def ref(vocab):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_gguf(GGUF_PATH)
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer  # Tokenizer.from_gguf(GGUF_PATH), once for the session
 
 
 @functools.cache
