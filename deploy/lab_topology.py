@@ -35,7 +35,7 @@ SCRAPE_INTERVAL = "2s"
 
 def engine_cmd(port: int) -> list[str]:
     """One engine on the bundled model, kept light (one thread each: the two share the machine)."""
-    cmd = [sys.executable, "-m", "engine.server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tokenweir.engine.server", "--host", "127.0.0.1", "--port", str(port)]
     return cmd + [*render.ENGINE_ARGS, "--num-threads", "1", "--log-level", "warning"]
 
 
@@ -43,7 +43,7 @@ def gateway_cmd(config_path: Path, port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "tokenweir.gateway.cli",
         "serve",
         "--no-engine",
         "--config",

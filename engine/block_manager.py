@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
-from engine.stats import PrefixCacheLog
-from policies.prefix_hash import chain
+from tokenweir.engine.sequence import Sequence
+from tokenweir.engine.stats import PrefixCacheLog
+from tokenweir.policies.prefix_hash import chain
 
 
 class Block:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.sampling_params import SamplingParams
 
 
 class LLM:

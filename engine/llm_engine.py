@@ -13,20 +13,20 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, default_model_path
-from engine.linear import GGUF_MODES
-from engine.loader import load_gguf_blocks, load_model_weights
-from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.output import RequestOutput, TextState
-from engine.precision import resolve as resolve_precision
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.stats import SchedulerStats, StepStats
-from engine.tokenizer import Tokenizer
+from tokenweir.engine.attention import AttentionMetadata
+from tokenweir.engine.block_manager import BlockManager
+from tokenweir.engine.config import EngineConfig, default_model_path
+from tokenweir.engine.linear import GGUF_MODES
+from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
+from tokenweir.engine.model import LlamaForCausalLM
+from tokenweir.engine.model_runner import ModelRunner, kv_block_bytes
+from tokenweir.engine.output import RequestOutput, TextState
+from tokenweir.engine.precision import resolve as resolve_precision
+from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.scheduler import Scheduler
+from tokenweir.engine.sequence import Sequence
+from tokenweir.engine.stats import SchedulerStats, StepStats
+from tokenweir.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenweir.engine")
 
@@ -257,7 +257,7 @@ class LLMEngine:
                     code="invalid_response_format",
                     param="response_format",
                 )
-            from engine.structured import StructuredOutputs
+            from tokenweir.engine.structured import StructuredOutputs
 
             self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.stop_token_ids)
             self.runner.sampler.structured = self._structured

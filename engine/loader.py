@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.gguf_blocks import BLOCK_BYTES, GGUFBlocks
+from tokenweir.engine.config import ModelConfig
+from tokenweir.engine.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
 # llama.cpp's converter permutes q/k rows of these architectures for its interleaved RoPE; we undo it.
 PERMUTED_QK_ARCHS = {"llama", "mistral"}

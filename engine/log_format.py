@@ -16,7 +16,7 @@ def configure_logging(level: str = "info") -> None:
     stdlib records (the engine's `tokenweir.*` loggers, uvicorn's) rendered by structlog into the same JSON."""
     import structlog
 
-    from gateway.logging import ensure_configured
+    from tokenweir.gateway.logging import ensure_configured
 
     ensure_configured(level)
     root = logging.getLogger()

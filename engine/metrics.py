@@ -16,8 +16,8 @@ from prometheus_client import (
     Histogram,
 )
 
-from engine.sequence import Sequence
-from engine.stats import SchedulerStats, StepStats
+from tokenweir.engine.sequence import Sequence
+from tokenweir.engine.stats import SchedulerStats, StepStats
 
 LATENCY_BUCKETS = (
     0.005,

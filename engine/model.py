@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.config import ModelConfig
-from engine.gguf_blocks import GGUFBlocks
-from engine.linear import GGUF_MODES, make_linear
-from kernels import cpu_ops
+from tokenweir.engine.attention import AttentionMetadata, PagedAttention
+from tokenweir.engine.config import ModelConfig
+from tokenweir.engine.gguf_blocks import GGUFBlocks
+from tokenweir.engine.linear import GGUF_MODES, make_linear
+from tokenweir.kernels import cpu_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

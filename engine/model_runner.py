@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.model import LlamaForCausalLM
-from engine.sampler import Sampler, token_logprob
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence, TokenLogprob
+from tokenweir.engine.attention import AttentionMetadata
+from tokenweir.engine.config import EngineConfig, ModelConfig
+from tokenweir.engine.model import LlamaForCausalLM
+from tokenweir.engine.sampler import Sampler, token_logprob
+from tokenweir.engine.scheduler import SchedulerOutput
+from tokenweir.engine.sequence import Sequence, TokenLogprob
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

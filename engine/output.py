@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sequence import TokenLogprob
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenweir.engine.sequence import TokenLogprob
+from tokenweir.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

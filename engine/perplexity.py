@@ -12,8 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
-from engine.model import LlamaForCausalLM
+from tokenweir.engine.attention import AttentionMetadata
+from tokenweir.engine.model import LlamaForCausalLM
 
 
 @torch.inference_mode()

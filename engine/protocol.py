@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):

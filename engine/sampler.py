@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sequence import Sequence, TokenLogprob
+from tokenweir.engine.sequence import Sequence, TokenLogprob
 
 
 @dataclass

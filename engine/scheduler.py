@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from engine.stats import SchedulerStats
+from tokenweir.engine.block_manager import BlockManager
+from tokenweir.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from tokenweir.engine.stats import SchedulerStats
 
 
 @dataclass

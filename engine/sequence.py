@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ from functools import partial
 
 # Only torch-free imports up here: `--help` and `--version` must answer without loading torch. The engine, the app
 # and uvicorn are imported in main(), after the arguments are parsed.
-from engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
-from engine.flags import api_key, engine_config, parse_args
-from engine.flags import parse_size as parse_size  # gateway/serve_engines.py reads its sizes through this module
-from engine.log_format import configure_logging
+from tokenweir.engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
+from tokenweir.engine.flags import api_key, engine_config, parse_args
+from tokenweir.engine.flags import (
+    parse_size as parse_size,  # gateway/serve_engines.py reads its sizes through this module
+)
+from tokenweir.engine.log_format import configure_logging
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -21,7 +23,7 @@ GRACEFUL_SHUTDOWN_S = 10
 def __getattr__(name: str):
     """`from engine.server import build_app` still works, without importing torch when the module is imported."""
     if name == "build_app":
-        from engine.api import build_app
+        from tokenweir.engine.api import build_app
 
         return build_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -41,10 +43,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from engine.api import build_app
-    from engine.async_engine import AsyncEngine, EngineThread
-    from engine.llm_engine import LLMEngine
-    from gateway.http_limits import http_limits_from_args, uvicorn_options
+    from tokenweir.engine.api import build_app
+    from tokenweir.engine.async_engine import AsyncEngine, EngineThread
+    from tokenweir.engine.llm_engine import LLMEngine
+    from tokenweir.gateway.http_limits import http_limits_from_args, uvicorn_options
 
     try:
         config = engine_config(args)

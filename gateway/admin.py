@@ -12,7 +12,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
 
-from gateway.admin_common import (
+from tokenweir.gateway.admin_common import (
     OpenAIErrorRoute,
     TeamId,
     error_doc,
@@ -20,8 +20,8 @@ from gateway.admin_common import (
     store_call,
     team_or_404,
 )
-from gateway.admin_keys import router as keys_router
-from gateway.admin_models import (
+from tokenweir.gateway.admin_keys import router as keys_router
+from tokenweir.gateway.admin_models import (
     ID_DOC,
     ID_PATTERN,
     Deleted,
@@ -36,13 +36,13 @@ from gateway.admin_models import (
     UsageOut,
     UsageTotals,
 )
-from gateway.auth import require_admin
-from gateway.errors import APIError
-from gateway.services import Services, ServicesDep
-from gateway.state import StateUnavailable
-from policies.budget import DAY, MONTH, period_start_day
-from policies.pricing import femtos_to_usd
-from policies.snapshot import with_limits
+from tokenweir.gateway.auth import require_admin
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.services import Services, ServicesDep
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.policies.budget import DAY, MONTH, period_start_day
+from tokenweir.policies.pricing import femtos_to_usd
+from tokenweir.policies.snapshot import with_limits
 
 router = APIRouter(
     prefix="/admin",

@@ -13,11 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from gateway.admin_models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
-from gateway.errors import APIError, error_response, validation_error
-from gateway.services import Services
-from gateway.store import Conflict, NotFound, Team
-from gateway.store_db import DB_ERRORS
+from tokenweir.gateway.admin_models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
+from tokenweir.gateway.errors import APIError, error_response, validation_error
+from tokenweir.gateway.services import Services
+from tokenweir.gateway.store import Conflict, NotFound, Team
+from tokenweir.gateway.store_db import DB_ERRORS
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from gateway.admin_common import (
+from tokenweir.gateway.admin_common import (
     OpenAIErrorRoute,
     TeamId,
     error_doc,
@@ -17,9 +17,9 @@ from gateway.admin_common import (
     store_call,
     team_or_404,
 )
-from gateway.admin_models import ID_DOC, ID_PATTERN, KeyCreate, KeyCreated, KeyLimitsBody, KeyList, KeyOut
-from gateway.errors import APIError
-from gateway.services import Services, ServicesDep
+from tokenweir.gateway.admin_models import ID_DOC, ID_PATTERN, KeyCreate, KeyCreated, KeyLimitsBody, KeyList, KeyOut
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.services import Services, ServicesDep
 
 KeyId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="The key's id. " + ID_DOC)]
 

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from gateway.store import ApiKey, Team
-from policies.limits import KeyLimits, TeamLimits
+from tokenweir.gateway.store import ApiKey, Team
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 # Upper bounds on what the admin API accepts: far above any real limit, far below what the store's columns hold
 # (BIGINT for rates and budgets; INTEGER, 2**31 - 1, for concurrency and per-request token caps).

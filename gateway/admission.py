@@ -20,24 +20,24 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import relay
-from gateway.config import GatewayConfig
-from gateway.context import RequestContext, request_scope
-from gateway.disconnect import wait_disconnect
-from gateway.dispatch import Dispatcher
-from gateway.errors import APIError
-from gateway.events import EventWriter
-from gateway.http1 import HTTP1Pool
-from gateway.logging import get_logger
-from gateway.metrics import Metrics
-from gateway.outbox import StateOutbox
-from gateway.settle import Settler
-from gateway.state import InMemoryState, StateBackend, StateUnavailable
-from gateway.token_count import TokenCounters, UnsupportedContent
-from gateway.upstream import Upstreams
-from policies.caps import apply_caps
-from policies.decisions import Rejected
-from policies.pricing import max_cost_over
+from tokenweir.gateway import relay
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.context import RequestContext, request_scope
+from tokenweir.gateway.disconnect import wait_disconnect
+from tokenweir.gateway.dispatch import Dispatcher
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.events import EventWriter
+from tokenweir.gateway.http1 import HTTP1Pool
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.outbox import StateOutbox
+from tokenweir.gateway.settle import Settler
+from tokenweir.gateway.state import InMemoryState, StateBackend, StateUnavailable
+from tokenweir.gateway.token_count import TokenCounters, UnsupportedContent
+from tokenweir.gateway.upstream import Upstreams
+from tokenweir.policies.caps import apply_caps
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.pricing import max_cost_over
 
 log = get_logger()
 

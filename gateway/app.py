@@ -21,30 +21,30 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gateway import relay
-from gateway.admin import router as admin_router
-from gateway.admission import Admission
-from gateway.auth import Authenticator
-from gateway.config import GatewayConfig
-from gateway.context import new_request_id, open_scope, request_scope
-from gateway.dispatch_queue import DispatchQueue
-from gateway.errors import APIError, api_error_handler, error_response, validation_error
-from gateway.events import EventWriter, replay_after
-from gateway.inflight import recover
-from gateway.logging import bind_request, clear_request, ensure_configured, get_logger
-from gateway.metrics import Metrics
-from gateway.outbox import StateOutbox
-from gateway.probes import router as probes_router
-from gateway.routes import router
-from gateway.services import Services, get_services
-from gateway.state import InMemoryState, StateUnavailable
-from gateway.state_redis import REDIS_ERRORS, RedisState
-from gateway.state_repair import StateWatch
-from gateway.store import Store
-from gateway.upstream import Upstreams
-from gateway.usage import UsageRecorder, seed_key_budgets
-from policies.budget import DAY, MONTH, day_key, period_start_day
-from policies.pricing import usd_to_femtos
+from tokenweir.gateway import relay
+from tokenweir.gateway.admin import router as admin_router
+from tokenweir.gateway.admission import Admission
+from tokenweir.gateway.auth import Authenticator
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.context import new_request_id, open_scope, request_scope
+from tokenweir.gateway.dispatch_queue import DispatchQueue
+from tokenweir.gateway.errors import APIError, api_error_handler, error_response, validation_error
+from tokenweir.gateway.events import EventWriter, replay_after
+from tokenweir.gateway.inflight import recover
+from tokenweir.gateway.logging import bind_request, clear_request, ensure_configured, get_logger
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.outbox import StateOutbox
+from tokenweir.gateway.probes import router as probes_router
+from tokenweir.gateway.routes import router
+from tokenweir.gateway.services import Services, get_services
+from tokenweir.gateway.state import InMemoryState, StateUnavailable
+from tokenweir.gateway.state_redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state_repair import StateWatch
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.upstream import Upstreams
+from tokenweir.gateway.usage import UsageRecorder, seed_key_budgets
+from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
+from tokenweir.policies.pricing import usd_to_femtos
 
 log = get_logger()
 

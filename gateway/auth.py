@@ -14,12 +14,12 @@ from datetime import UTC, datetime
 
 from fastapi import Depends, Request
 
-from gateway import keys
-from gateway.context import request_scope
-from gateway.errors import APIError
-from gateway.services import ServicesDep
-from gateway.store import ApiKey, Store, Team
-from gateway.store_db import DB_ERRORS
+from tokenweir.gateway import keys
+from tokenweir.gateway.context import request_scope
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.services import ServicesDep
+from tokenweir.gateway.store import ApiKey, Store, Team
+from tokenweir.gateway.store_db import DB_ERRORS
 
 # Unknown secrets are cached too (a brute force must not hammer the store), so bound the memory.
 _MAX_CACHED = 10_000

@@ -13,8 +13,8 @@ import orjson
 from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.context import request_scope
-from gateway.errors import APIError, validation_error
+from tokenweir.gateway.context import request_scope
+from tokenweir.gateway.errors import APIError, validation_error
 
 # Deepest JSON accepted, objects and arrays counted (the body itself is level 1). orjson.loads refuses past 1024
 # levels, but the body goes upstream re-encoded and orjson.dumps stops at 255: refuse clearly here, far below both.

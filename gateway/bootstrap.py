@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from gateway import keys
-from gateway.store import Conflict, Store
+from tokenweir.gateway import keys
+from tokenweir.gateway.store import Conflict, Store
 
 DEMO_TEAM = "demo"
 ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"

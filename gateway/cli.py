@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from gateway.config import GatewayConfig, load_config
+from tokenweir.gateway.config import GatewayConfig, load_config
 
 
 def version() -> str:
@@ -31,7 +31,7 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
-        from engine.server import main as engine_main  # lazy: torch and the model load only for this command
+        from tokenweir.engine.server import main as engine_main  # lazy: torch and the model load only for this command
 
         return engine_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenweir", description="multi-tenant OpenAI-compatible gateway")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         config.engine.model_path = args.model
     if args.no_engine:
         config.engine.enabled = False
-    from gateway.bootstrap import ADMIN_KEY_ENV, admin_key_error
+    from tokenweir.gateway.bootstrap import ADMIN_KEY_ENV, admin_key_error
 
     if (error := admin_key_error(os.environ.get(ADMIN_KEY_ENV))) is not None:  # before an engine loads for nothing
         sys.exit(f"tokenweir: configuration error: {error}")
@@ -117,12 +117,12 @@ def load_config_or_exit(path: str | None, env: dict[str, str] | None = None) -> 
 
 
 def serve_forever(config: GatewayConfig) -> None:
-    from gateway.logging import configure
-    from gateway.serve_engines import EngineReplicas, start_engine, stop_engine
+    from tokenweir.gateway.logging import configure
+    from tokenweir.gateway.serve_engines import EngineReplicas, start_engine, stop_engine
 
     configure(config.log_level)
     if config.workers > 1:
-        from gateway.serve_workers import require_shared_state
+        from tokenweir.gateway.serve_workers import require_shared_state
 
         require_shared_state(config)  # before any engine is started for nothing
     # SIGTERM during startup (engine still loading) must still take the children down with us.
@@ -141,7 +141,7 @@ def serve_forever(config: GatewayConfig) -> None:
         if config.workers > 1:
             asyncio.run(serve_workers(config))
             return
-        from gateway.app import create_app
+        from tokenweir.gateway.app import create_app
 
         store, sock = open_gateway(config)
         app = create_app(config, store=store)
@@ -157,7 +157,7 @@ def serve_forever(config: GatewayConfig) -> None:
 async def serve_with_replicas(config: GatewayConfig, replicas) -> None:
     """The engine replicas run in this event loop, beside the gateway (its instances marked down on an engine's
     exit) or beside the gateway workers."""
-    from gateway.app import create_app
+    from tokenweir.gateway.app import create_app
 
     try:
         await replicas.start()
@@ -177,7 +177,7 @@ async def serve_with_replicas(config: GatewayConfig, replicas) -> None:
 async def serve_workers(config: GatewayConfig) -> None:
     """Store migrations and bootstrap keys here, once; then the workers on the socket bound here, until SIGTERM or
     SIGINT (then they drain, flush, and exit, before the caller stops the engines)."""
-    from gateway.serve_workers import GatewayWorkers
+    from tokenweir.gateway.serve_workers import GatewayWorkers
 
     store, sock = open_gateway(config, bind=True)
     store.close()  # each worker opens its own
@@ -190,8 +190,8 @@ async def serve_workers(config: GatewayConfig) -> None:
 def open_gateway(config: GatewayConfig, bind: bool = False):
     """The store (bootstrap keys printed once) and, for port 0 or `bind`, the socket bound (and, with `bind`,
     listening) here; prints the gateway line."""
-    from gateway.bootstrap import ensure_bootstrap
-    from gateway.store import Store
+    from tokenweir.gateway.bootstrap import ensure_bootstrap
+    from tokenweir.gateway.store import Store
 
     if not config.pools:
         sys.exit("tokenweir: no upstream pools: configure `pools:` or drop --no-engine")
@@ -223,7 +223,7 @@ def open_gateway(config: GatewayConfig, bind: bool = False):
 def gateway_server(config: GatewayConfig, app):
     import uvicorn
 
-    from gateway.http_limits import uvicorn_options
+    from tokenweir.gateway.http_limits import uvicorn_options
 
     # uvicorn installs its own SIGTERM handler: a graceful shutdown that runs the lifespan exit, which flushes usage
     # and events. The workers of `serve --workers N` are built here too, so they get the same `http:` limits.

@@ -23,9 +23,9 @@ from pathlib import Path
 import orjson
 import yaml
 
-from gateway.http_limits import HttpLimits
-from policies.pricing import Prices, price_error
-from policies.routing import RouteParams
+from tokenweir.gateway.http_limits import HttpLimits
+from tokenweir.policies.pricing import Prices, price_error
+from tokenweir.policies.routing import RouteParams
 
 ENV_PREFIX = "TOKENWEIR_"
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).

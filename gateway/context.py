@@ -15,15 +15,15 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from policies.limits import KeyLimits, TeamLimits
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
-    from gateway.auth import Principal
-    from gateway.relay import SSEStream
-    from gateway.stream_chunks import ChunkFilter
-    from gateway.upstream import Hop
+    from tokenweir.gateway.auth import Principal
+    from tokenweir.gateway.relay import SSEStream
+    from tokenweir.gateway.stream_chunks import ChunkFilter
+    from tokenweir.gateway.upstream import Hop
 
 # Client strings copied into events, logs and metric labels are cut to this many characters.
 MAX_CLIENT_STRING = 256

@@ -12,16 +12,16 @@ import uuid
 
 from fastapi.responses import Response
 
-from gateway import relay
-from gateway.config import GatewayConfig
-from gateway.context import RequestContext
-from gateway.errors import APIError
-from gateway.http1 import HTTP1Pool, HTTPError
-from gateway.metrics import Metrics
-from gateway.prompt_ids import prompt_token_ids
-from gateway.settle import Settler
-from gateway.stream_chunks import ChunkFilter, generated_text
-from gateway.upstream import Hop, Upstreams
+from tokenweir.gateway import relay
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.context import RequestContext
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.prompt_ids import prompt_token_ids
+from tokenweir.gateway.settle import Settler
+from tokenweir.gateway.stream_chunks import ChunkFilter, generated_text
+from tokenweir.gateway.upstream import Hop, Upstreams
 
 # The upstream path of each kind of request (the same as the client's).
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}

@@ -19,10 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from policies.decisions import Rejected
-from policies.limits import PRIORITY_STANDARD
-from policies.priority import StrideScheduler, band_of, pick_displaced
-from policies.retry import queue_retry_after
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import PRIORITY_STANDARD
+from tokenweir.policies.priority import StrideScheduler, band_of, pick_displaced
+from tokenweir.policies.retry import queue_retry_after
 
 _ids = itertools.count(1)
 

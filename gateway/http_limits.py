@@ -49,7 +49,7 @@ class HttpLimits:
 
 def uvicorn_options(limits: HttpLimits) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` / `uvicorn.run` that enforce `limits`."""
-    from gateway.http_door import protocol_class
+    from tokenweir.gateway.http_door import protocol_class
 
     return {
         "http": protocol_class(limits),

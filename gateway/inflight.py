@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.context import RequestContext
-from gateway.http1 import HTTP1Pool, request_json
-from gateway.logging import get_logger
-from gateway.state import StateUnavailable
+from tokenweir.gateway.context import RequestContext
+from tokenweir.gateway.http1 import HTTP1Pool, request_json
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.state import StateUnavailable
 
 if TYPE_CHECKING:
-    from gateway.outbox import StateOutbox
-    from gateway.settle import Settler
-    from gateway.upstream import Hop, Upstreams
+    from tokenweir.gateway.outbox import StateOutbox
+    from tokenweir.gateway.settle import Settler
+    from tokenweir.gateway.upstream import Hop, Upstreams
 
 log = get_logger()
 

@@ -8,12 +8,12 @@ reserve: a limit set a moment ago shows what is left of it at once. A key's spen
 
 from __future__ import annotations
 
-from gateway.auth import Principal
-from gateway.errors import APIError
-from gateway.services import Services
-from gateway.state import StateUnavailable
-from policies.limits import KeyLimits
-from policies.snapshot import with_limits
+from tokenweir.gateway.auth import Principal
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.services import Services
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.policies.limits import KeyLimits
+from tokenweir.policies.snapshot import with_limits
 
 # What `remaining` reports: (its name, where the snapshot keeps it).
 _REMAINING = (

@@ -15,9 +15,15 @@ from typing import Annotated, Literal, Required, Union
 from pydantic import Discriminator, Field, Tag, TypeAdapter, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from gateway.openai_schema_messages import ChatMessage
-from gateway.openai_schema_strict import STRICT, between, one_of
-from gateway.openai_schema_tools import FunctionCallChoice, FunctionDefinition, ResponseFormat, Tool, ToolChoice
+from tokenweir.gateway.openai_schema_messages import ChatMessage
+from tokenweir.gateway.openai_schema_strict import STRICT, between, one_of
+from tokenweir.gateway.openai_schema_tools import (
+    FunctionCallChoice,
+    FunctionDefinition,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+)
 
 MAX_TOKENS = 2**31 - 1  # max_tokens and token ids: beyond any context window, within every store and engine
 _INT64 = 2**63

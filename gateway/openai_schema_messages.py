@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, NotRequired, Union
 from pydantic import Discriminator, Field, Tag, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from gateway.openai_schema_strict import STRICT, one_of
+from tokenweir.gateway.openai_schema_strict import STRICT, one_of
 
 # Content parts. Known types are checked; any other part passes through to the upstream, which decides.
 _PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")

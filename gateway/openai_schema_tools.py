@@ -12,7 +12,7 @@ from pydantic import Discriminator, Field, Tag, with_config
 from pydantic.json_schema import SkipJsonSchema
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from gateway.openai_schema_strict import STRICT, one_of
+from tokenweir.gateway.openai_schema_strict import STRICT, one_of
 
 # Tools. A function's name is what OpenAI accepts (letters, digits, '_' and '-', at most 64); its parameters are a
 # JSON Schema whose top level describes an object. Tool types other than 'function' pass through to the upstream.

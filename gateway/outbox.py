@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.state import StateUnavailable
+from tokenweir.gateway.state import StateUnavailable
 
 log = logging.getLogger("tokenweir.outbox")
 

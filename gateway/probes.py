@@ -16,11 +16,11 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.auth import bearer_secret
-from gateway.errors import APIError, error_response
-from gateway.services import ServicesDep
-from gateway.state import StateUnavailable
-from gateway.store_db import DB_ERRORS
+from tokenweir.gateway.auth import bearer_secret
+from tokenweir.gateway.errors import APIError, error_response
+from tokenweir.gateway.services import ServicesDep
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.gateway.store_db import DB_ERRORS
 
 router = APIRouter()
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from gateway.token_count import _load
+from tokenweir.gateway.token_count import _load
 
 log = logging.getLogger("tokenweir.routing")
 
 
 def _tokenizer(path: str):
     if path == "default":
-        from engine.config import default_model_path  # torch-free
+        from tokenweir.engine.config import default_model_path  # torch-free
 
         path = default_model_path()
     return _load(path)

@@ -14,11 +14,11 @@ import contextlib
 import orjson
 from starlette.responses import Response
 
-from gateway.disconnect import wait_disconnect
-from gateway.http1 import HTTP1Pool, HTTPError, request_json
-from gateway.http1 import Response as UpstreamResponse
-from gateway.logging import get_logger
-from gateway.upstream import Hop
+from tokenweir.gateway.disconnect import wait_disconnect
+from tokenweir.gateway.http1 import HTTP1Pool, HTTPError, request_json
+from tokenweir.gateway.http1 import Response as UpstreamResponse
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.upstream import Hop
 
 log = get_logger()
 

@@ -14,13 +14,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
-from gateway.admin_models import ErrorBody
-from gateway.auth import Principal, require_key
-from gateway.body import parse_body
-from gateway.errors import APIError
-from gateway.me import key_info
-from gateway.openai_schema import CHAT, COMPLETION, EMBEDDING
-from gateway.services import ServicesDep
+from tokenweir.gateway.admin_models import ErrorBody
+from tokenweir.gateway.auth import Principal, require_key
+from tokenweir.gateway.body import parse_body
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.me import key_info
+from tokenweir.gateway.openai_schema import CHAT, COMPLETION, EMBEDDING
+from tokenweir.gateway.services import ServicesDep
 
 router = APIRouter()
 

@@ -20,11 +20,11 @@ import subprocess
 import sys
 import time
 
-from gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig
 
 
 def model_path_of(ec: BundledEngineConfig) -> str:
-    from engine.config import default_model_path
+    from tokenweir.engine.config import default_model_path
 
     try:
         return ec.model_path or default_model_path()
@@ -36,7 +36,7 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
     """The engine child's command line; engine.num_threads and engine.kv_cache_memory shared out between the
     replicas (with replicas > 1 the threads default to the CPUs split evenly); extra_args last, so they win."""
     n = ec.replicas
-    cmd = [sys.executable, "-m", "engine.server", "--port", str(port), "--served-model-name", ec.model_name]
+    cmd = [sys.executable, "-m", "tokenweir.engine.server", "--port", str(port), "--served-model-name", ec.model_name]
     cmd += ["--log-level", "warning"]  # its access log would print every /load poll
     if model_path:
         cmd += ["--model", model_path]
@@ -44,7 +44,7 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
     if threads:
         cmd += ["--num-threads", str(max(1, threads // n))]
     if ec.kv_cache_memory:
-        from engine.server import parse_size  # torch-free
+        from tokenweir.engine.server import parse_size  # torch-free
 
         try:
             total = parse_size(ec.kv_cache_memory)
@@ -52,7 +52,7 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
             sys.exit(f"tokenweir: engine.kv_cache_memory: {e}")
         cmd += ["--kv-cache-memory", str(total // n)]
     if n > 1 or ec.gpu_memory_utilization is not None:  # each engine reads it as its own share of the GPU
-        from engine.config import EngineConfig  # torch-free
+        from tokenweir.engine.config import EngineConfig  # torch-free
 
         share = ec.gpu_memory_utilization or EngineConfig.gpu_memory_utilization
         cmd += ["--gpu-memory-utilization", f"{share / n:.4f}"]
@@ -62,7 +62,7 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
 def engine_key(ec: BundledEngineConfig) -> str:
     """The children's API key: an `--api-key` in engine.extra_args (it would win over the env), else the one in
     `serve`'s own env (an operator who wants to call the engines directly), else a fresh one for this start."""
-    from engine.flags import API_KEY_ENV  # torch-free
+    from tokenweir.engine.flags import API_KEY_ENV  # torch-free
 
     args = ec.extra_args
     for i, arg in enumerate(args):
@@ -74,7 +74,7 @@ def engine_key(ec: BundledEngineConfig) -> str:
 
 
 def engine_env(key: str) -> dict[str, str]:
-    from engine.flags import API_KEY_ENV
+    from tokenweir.engine.flags import API_KEY_ENV
 
     return {**os.environ, API_KEY_ENV: key}
 
@@ -107,7 +107,7 @@ def start_engine(config: GatewayConfig) -> subprocess.Popen:
 
     ec = config.engine
     model_path = model_path_of(ec)
-    from gateway.supervisor import die_with_parent
+    from tokenweir.gateway.supervisor import die_with_parent
 
     key = engine_key(ec)
     proc = subprocess.Popen(engine_cmd(ec, model_path, ec.port), preexec_fn=die_with_parent(), env=engine_env(key))
@@ -160,7 +160,7 @@ class EngineReplicas:
     with an `upstream_broken` error event naming the instance."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        from gateway.supervisor import Supervisor, consecutive_free_ports
+        from tokenweir.gateway.supervisor import Supervisor, consecutive_free_ports
 
         self.config, ec = config, config.engine
         self.ec = ec
@@ -247,7 +247,7 @@ class EngineReplicas:
         return inst.name if inst is not None else self.name(index)
 
     def on_exit(self, child) -> None:
-        from gateway.logging import get_logger
+        from tokenweir.gateway.logging import get_logger
 
         name = self._label(child.index)
         get_logger("tokenweir.supervisor").warning(
@@ -272,7 +272,7 @@ class EngineReplicas:
             flush=True,
         )
         if child.restarts:
-            from gateway.logging import get_logger
+            from tokenweir.gateway.logging import get_logger
 
             get_logger("tokenweir.supervisor").info(
                 "engine_restarted", upstream=self._label(child.index), pid=child.proc.pid, restarts=child.restarts

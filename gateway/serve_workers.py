@@ -29,7 +29,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.config import GatewayConfig
+from tokenweir.gateway.config import GatewayConfig
 
 STARTUP_FAILURE = 3  # uvicorn's exit status when the app's start-up fails
 
@@ -60,7 +60,7 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
 
 class GatewayWorkers:
     def __init__(self, config: GatewayConfig, sock: socket.socket) -> None:
-        from gateway.supervisor import Supervisor
+        from tokenweir.gateway.supervisor import Supervisor
 
         self.config, self.sock = config, sock
         # mkstemp: readable by this user only, as the config may hold upstream API keys (argv would show them).
@@ -82,7 +82,7 @@ class GatewayWorkers:
         return [
             sys.executable,
             "-m",
-            "gateway.serve_workers",
+            "tokenweir.gateway.serve_workers",
             "--index",
             str(index),
             "--fd",
@@ -109,7 +109,7 @@ class GatewayWorkers:
         raise SystemExit(128 + got[0])
 
     def on_exit(self, child) -> None:
-        from gateway.logging import get_logger
+        from tokenweir.gateway.logging import get_logger
 
         get_logger("tokenweir.workers").warning(
             "gateway_worker_exited",
@@ -122,7 +122,7 @@ class GatewayWorkers:
 
     def on_start(self, child) -> None:
         if child.restarts:
-            from gateway.logging import get_logger
+            from tokenweir.gateway.logging import get_logger
 
             get_logger("tokenweir.workers").info(
                 "gateway_worker_restarted", worker=child.index, pid=child.proc.pid, restarts=child.restarts
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda s, _frame: sys.exit(128 + s))
     import structlog
 
-    from gateway.app import create_app
-    from gateway.cli import gateway_server, load_config_or_exit
-    from gateway.logging import configure
+    from tokenweir.gateway.app import create_app
+    from tokenweir.gateway.cli import gateway_server, load_config_or_exit
+    from tokenweir.gateway.logging import configure
 
     config = worker_config(load_config_or_exit(args.config, env={}), args.index)
     configure(config.log_level)

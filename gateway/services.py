@@ -11,18 +11,18 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 if TYPE_CHECKING:
-    from gateway.admission import Admission
-    from gateway.auth import Authenticator
-    from gateway.config import GatewayConfig
-    from gateway.dispatch_queue import DispatchQueue
-    from gateway.events import EventWriter
-    from gateway.http1 import HTTP1Pool
-    from gateway.metrics import Metrics
-    from gateway.outbox import StateOutbox
-    from gateway.state import StateBackend
-    from gateway.store import Store
-    from gateway.upstream import Upstreams
-    from gateway.usage import UsageRecorder
+    from tokenweir.gateway.admission import Admission
+    from tokenweir.gateway.auth import Authenticator
+    from tokenweir.gateway.config import GatewayConfig
+    from tokenweir.gateway.dispatch_queue import DispatchQueue
+    from tokenweir.gateway.events import EventWriter
+    from tokenweir.gateway.http1 import HTTP1Pool
+    from tokenweir.gateway.metrics import Metrics
+    from tokenweir.gateway.outbox import StateOutbox
+    from tokenweir.gateway.state import StateBackend
+    from tokenweir.gateway.store import Store
+    from tokenweir.gateway.upstream import Upstreams
+    from tokenweir.gateway.usage import UsageRecorder
 
 
 @dataclass(slots=True, eq=False)

@@ -18,20 +18,20 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from gateway import relay
-from gateway.context import RequestContext, clip, request_scope
-from gateway.errors import APIError
-from gateway.events import EventWriter
-from gateway.http1 import HTTP1Pool
-from gateway.inflight import InflightJournal, journal_path
-from gateway.logging import get_logger
-from gateway.metrics import Metrics
-from gateway.outbox import StateOutbox
-from gateway.state import StateBackend, StateUnavailable
-from gateway.token_count import TokenCounter
-from gateway.upstream import Upstreams
-from policies.budget import day_key
-from policies.pricing import femtos_to_usd
+from tokenweir.gateway import relay
+from tokenweir.gateway.context import RequestContext, clip, request_scope
+from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.events import EventWriter
+from tokenweir.gateway.http1 import HTTP1Pool
+from tokenweir.gateway.inflight import InflightJournal, journal_path
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.outbox import StateOutbox
+from tokenweir.gateway.state import StateBackend, StateUnavailable
+from tokenweir.gateway.token_count import TokenCounter
+from tokenweir.gateway.upstream import Upstreams
+from tokenweir.policies.budget import day_key
+from tokenweir.policies.pricing import femtos_to_usd
 
 log = get_logger()
 

@@ -14,13 +14,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies.budget import DAY, MONTH, Budget, as_key_rejection, seconds_until_reset, spend_rejection
-from policies.decisions import Rejected, budget_rejection, rate_rejection
-from policies.limits import KeyLimits, TeamLimits, usd_micros
-from policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd, split_femtos
-from policies.rate import SlidingWindow
-from policies.reservation import Reservation
-from policies.snapshot import WindowHeaders, budget_view, ratelimit_headers, spend_view, team_snapshot, tighter
+from tokenweir.policies.budget import DAY, MONTH, Budget, as_key_rejection, seconds_until_reset, spend_rejection
+from tokenweir.policies.decisions import Rejected, budget_rejection, rate_rejection
+from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
+from tokenweir.policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd, split_femtos
+from tokenweir.policies.rate import SlidingWindow
+from tokenweir.policies.reservation import Reservation
+from tokenweir.policies.snapshot import (
+    WindowHeaders,
+    budget_view,
+    ratelimit_headers,
+    spend_view,
+    team_snapshot,
+    tighter,
+)
 
 
 class StateBackend(Protocol):

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from gateway.state import StateUnavailable
-from gateway.state_redis_epoch import LiveHold, StateUnseeded
-from gateway.state_redis_keys import RedisKeyLayout
-from gateway.state_redis_lua import (
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.gateway.state_redis_epoch import LiveHold, StateUnseeded
+from tokenweir.gateway.state_redis_keys import RedisKeyLayout
+from tokenweir.gateway.state_redis_lua import (
     ACQUIRE,
     ACQUIRE_ARGV,
     RENEW,
@@ -38,12 +38,12 @@ from gateway.state_redis_lua import (
     SETTLE_ARGV,
     script_args,
 )
-from gateway.state_redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
-from policies.budget import as_key_rejection
-from policies.limits import KeyLimits, TeamLimits, usd_micros
-from policies.pricing import split_femtos
-from policies.rate import SLOTS, WINDOW_S
-from policies.reservation import Reservation
+from tokenweir.gateway.state_redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
+from tokenweir.policies.budget import as_key_rejection
+from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
+from tokenweir.policies.pricing import split_femtos
+from tokenweir.policies.rate import SLOTS, WINDOW_S
+from tokenweir.policies.reservation import Reservation
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.state import StateUnavailable
-from gateway.state_redis_lua import script_args
-from gateway.state_redis_seed import RESTORE, RESTORE_ARGV, SEED, SEED_ARGV
-from policies.pricing import split_femtos
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.gateway.state_redis_lua import script_args
+from tokenweir.gateway.state_redis_seed import RESTORE, RESTORE_ARGV, SEED, SEED_ARGV
+from tokenweir.policies.pricing import split_femtos
 
 if TYPE_CHECKING:
-    from gateway.state_redis import RedisState
+    from tokenweir.gateway.state_redis import RedisState
 
 
 class StateUnseeded(StateUnavailable):

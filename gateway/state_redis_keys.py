@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from policies.budget import DAY, MONTH, day_key, month_key, period_bounds
+from tokenweir.policies.budget import DAY, MONTH, day_key, month_key, period_bounds
 
 
 class RedisKeyLayout:

@@ -4,12 +4,12 @@ rejection, x-ratelimit-* headers from the window counts, a team's snapshot from 
 
 from __future__ import annotations
 
-from policies.budget import DAY, MONTH, day_key, month_key, seconds_until_reset, spend_rejection
-from policies.decisions import Rejected, budget_rejection, rate_rejection
-from policies.limits import usd_micros
-from policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd
-from policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
-from policies.snapshot import (
+from tokenweir.policies.budget import DAY, MONTH, day_key, month_key, seconds_until_reset, spend_rejection
+from tokenweir.policies.decisions import Rejected, budget_rejection, rate_rejection
+from tokenweir.policies.limits import usd_micros
+from tokenweir.policies.pricing import FEMTOS_PER_MICRO, femtos_to_usd
+from tokenweir.policies.rate import SLOTS, WINDOW_S, oldest_counted_slot, slot_index, slot_leaves_window_s
+from tokenweir.policies.snapshot import (
     WindowHeaders,
     budget_view,
     ratelimit_headers,

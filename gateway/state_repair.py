@@ -20,13 +20,13 @@ import asyncio
 import time
 import uuid
 
-from gateway.logging import get_logger
-from gateway.state import StateUnavailable
-from gateway.state_redis import REDIS_ERRORS, RedisState
-from gateway.state_redis_epoch import RedisEpoch, SubjectSpend
-from gateway.store import Store
-from gateway.usage import UsageRecorder
-from policies.budget import DAY, MONTH, period_start_day
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.gateway.state_redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state_redis_epoch import RedisEpoch, SubjectSpend
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.usage import UsageRecorder
+from tokenweir.policies.budget import DAY, MONTH, period_start_day
 
 log = get_logger()
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import psycopg
 
-from gateway import keys
-from gateway.store_db import (
+from tokenweir.gateway import keys
+from tokenweir.gateway.store_db import (
     MIGRATIONS_DIR,
     Db,
     apply_migrations,
@@ -33,8 +33,8 @@ from gateway.store_db import (
     parse_ts,
     sqlite_connect,
 )
-from gateway.store_usage import UsageQueries, UsageRow
-from policies.limits import KeyLimits, TeamLimits
+from tokenweir.gateway.store_usage import UsageQueries, UsageRow
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 __all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "UsageRow"]
 

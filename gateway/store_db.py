@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 # Package data (gateway/migrations/*.sql), found through importlib.resources so an installed wheel has it too.
-MIGRATIONS_DIR: Traversable = resources.files("gateway") / "migrations"
+MIGRATIONS_DIR: Traversable = resources.files("tokenweir.migrations")
 _MIGRATION_RE = re.compile(r"^(\d{4})_[A-Za-z0-9_]+\.sql$")
 # pg_advisory_xact_lock key: replicas starting together migrate one at a time.
 _PG_MIGRATION_LOCK = 0x746F6B656E

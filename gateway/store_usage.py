@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.pricing import FEMTOS_PER_MICRO
+from tokenweir.policies.pricing import FEMTOS_PER_MICRO
 
 _USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
 

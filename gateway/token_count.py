@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import orjson
 
-from engine.config import default_model_path  # torch-free: the one locator of the bundled model
+from tokenweir.engine.config import default_model_path  # torch-free: the one locator of the bundled model
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
@@ -65,7 +65,7 @@ def estimate_tokens(text: str) -> int:
 @lru_cache(maxsize=8)
 def _load(path: str):
     try:
-        from engine.tokenizer import Tokenizer  # lazy: only for pools that name a tokenizer (seconds, once)
+        from tokenweir.engine.tokenizer import Tokenizer  # lazy: only for pools that name a tokenizer (seconds, once)
     except ImportError as e:  # a core install: tiktoken/jinja2 are there, but engine/ or gguf may not be
         raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
     try:

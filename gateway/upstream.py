@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.http1 import HTTP1Pool, request_json
-from gateway.logging import get_logger
-from gateway.prefix_index import PrefixIndex
-from policies import prefix_hash, routing
+from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.http1 import HTTP1Pool, request_json
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.prefix_index import PrefixIndex
+from tokenweir.policies import prefix_hash, routing
 
 if TYPE_CHECKING:
-    from gateway.metrics import Metrics
+    from tokenweir.gateway.metrics import Metrics
 
 CLOSED, OPEN, HALF_OPEN = 0, 1, 2  # the circuit-state gauge's values
 

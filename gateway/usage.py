@@ -18,10 +18,10 @@ import logging
 import time
 from dataclasses import asdict
 
-from gateway.store import Store, UsageRow
-from gateway.store_usage import KeyUsageRow
-from policies.budget import DAY, MONTH, day_key, period_start_day
-from policies.pricing import split_femtos
+from tokenweir.gateway.store import Store, UsageRow
+from tokenweir.gateway.store_usage import KeyUsageRow
+from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
+from tokenweir.policies.pricing import split_femtos
 
 log = logging.getLogger("tokenweir.usage")
 

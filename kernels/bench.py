@@ -166,8 +166,8 @@ def tokens_per_second(step: Callable[[], int], seconds: float = 10.0, warmup_ste
 
 
 def run(dtype: torch.dtype, device: torch.device, timer: Callable, quick: bool, smoke: bool) -> list[str]:
-    from kernels import reference as ref
-    from kernels import triton_paged as tp
+    from tokenweir.kernels import reference as ref
+    from tokenweir.kernels import triton_paged as tp
 
     if smoke:
         decode = [("smollm2-135m", 2, 40)]

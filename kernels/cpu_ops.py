@@ -18,7 +18,7 @@ from functools import cache
 
 import torch
 
-from kernels import cpu_build
+from tokenweir.kernels import cpu_build
 
 NAME = "tokenweir_cpu_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

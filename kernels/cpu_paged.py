@@ -6,7 +6,7 @@ the torch reference. Chosen by `auto` on machines where the CPU kernels build.""
 
 import torch
 
-from kernels import cpu_ops, reference
+from tokenweir.kernels import cpu_ops, reference
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv"]
 

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import default_model_path  # noqa: E402
 from loadtests import llama_server  # noqa: E402
+from tokenweir.engine.config import default_model_path  # noqa: E402
 
 CONCURRENCY = 16
 
@@ -109,7 +109,7 @@ def served_model(url: str) -> str:
 def measure_ours(model_path: str, dtype: str, quantization: str, threads: int, work) -> tuple[dict, str]:
     port = llama_server.free_port()
     cmd = [
-        sys.executable, "-m", "engine.server", "--model", model_path, "--port", str(port), "--dtype", dtype,
+        sys.executable, "-m", "tokenweir.engine.server", "--model", model_path, "--port", str(port), "--dtype", dtype,
         "--quantization", quantization, *(["--num-threads", str(threads)] if threads else []),
         "--max-num-seqs", str(CONCURRENCY),
         "--kv-cache-memory", "2GiB", "--log-level", "info",

@@ -54,10 +54,10 @@ def run_gateway(upstream_url: str, port: int, workdir: str, key_file: str) -> No
     """The gateway process: a store with one fully-limited team, then uvicorn (one worker)."""
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-    from gateway.store import Store
-    from policies.limits import TeamLimits
+    from tokenweir.gateway.app import create_app
+    from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+    from tokenweir.gateway.store import Store
+    from tokenweir.policies.limits import TeamLimits
 
     store = Store.open(f"sqlite:///{workdir}/bench.db")
     limits = TeamLimits(

@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from tokenweir.engine.config import EngineConfig  # noqa: E402
+from tokenweir.engine.llm_engine import LLMEngine  # noqa: E402
+from tokenweir.engine.sampling_params import SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -10,8 +10,8 @@ import json
 
 
 def load_tokenizer():
-    from engine.config import default_model_path
-    from engine.tokenizer import Tokenizer
+    from tokenweir.engine.config import default_model_path
+    from tokenweir.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_model_path())
 
@@ -119,7 +119,7 @@ class Engine:
     """engine/structured.py itself (llguidance underneath): the wrapper's overhead on top of the library."""
 
     def __init__(self, tok, vocab_size: int):
-        from engine.structured import StructuredOutputs
+        from tokenweir.engine.structured import StructuredOutputs
 
         self.so = StructuredOutputs(tok, vocab_size, set(tok.stop_token_ids), num_threads=1)
 

@@ -72,7 +72,7 @@ def apply_timings() -> list[str]:
     """Cost of setting forbidden logits to -inf from packed masks (engine.structured.apply_token_bitmask, CPU)."""
     import torch
 
-    from engine.structured import apply_token_bitmask
+    from tokenweir.engine.structured import apply_token_bitmask
 
     out = ["| apply_token_bitmask (float32 logits, CPU) | sparse mask us | dense mask us |", "|---|---:|---:|"]
     for rows in (1, 8, 32):

@@ -12,8 +12,8 @@ import calendar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from policies.decisions import Rejected
-from policies.retry import retry_after
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.retry import retry_after
 
 DAY = "day"
 MONTH = "month"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.retry import retry_after
+from tokenweir.policies.retry import retry_after
 
 # Why a request was shed -> the HTTP status the gateway answers with. Over-quota is the client's to fix (429); a
 # full queue also asks the client to back off and retry (429, as OpenAI answers when it is overloaded), and so does

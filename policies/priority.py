@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL
+from tokenweir.policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL
 
 BIG = 1 << 40  # large so that strides of realistic weights are exact integers, no float drift
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.budget import seconds_until_reset
-from policies.limits import usd_micros
-from policies.retry import reset_header
+from tokenweir.policies.budget import seconds_until_reset
+from tokenweir.policies.limits import usd_micros
+from tokenweir.policies.retry import reset_header
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,7 +19,7 @@ def smollm2_float32_engine():
     """SmolLM2 in this process in the exact mode (float32, dense weights), 64 MiB of KV blocks, a 1024-token context.
     One for the session: building it (parsing and dequantizing the GGUF) costs more than most tests that use it. Its
     users read their own requests' outputs, deltas of its counters, or only its model and tokenizer."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tokenweir.engine.config import EngineConfig
+    from tokenweir.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024, dtype="float32", quantization="none"))

@@ -85,7 +85,7 @@ def _kill_leftover(pid: int) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return
-    if b"engine.server" in cmdline:
+    if b"tokenweir.engine.server" in cmdline:
         os.kill(pid, signal.SIGKILL)
 
 

@@ -32,7 +32,7 @@ def serve_process(args: list[str], env: dict[str, str | None] | None = None, tim
     port = int(args[args.index("--port") + 1])
     child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", *args],
+        [sys.executable, "-m", "tokenweir.gateway.cli", "serve", *args],
         cwd=ROOT,
         env={k: v for k, v in child_env.items() if v is not None},
         stdout=subprocess.PIPE,

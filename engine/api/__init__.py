@@ -1,6 +1,6 @@
 """The engine's OpenAI-compatible HTTP API over an AsyncEngine: app (lifespan, middleware, error handlers), routes,
 SSE streaming, errors, and the client-disconnect watch."""
 
-from engine.api.app import build_app
+from tokenweir.engine.api.app import build_app
 
 __all__ = ["build_app"]

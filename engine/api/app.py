@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.api.auth import ApiKeyMiddleware
-from engine.api.errors import add_error_handlers
-from engine.api.routes import router
-from engine.async_engine import AsyncEngine
+from tokenweir.engine.api.auth import ApiKeyMiddleware
+from tokenweir.engine.api.errors import add_error_handlers
+from tokenweir.engine.api.routes import router
+from tokenweir.engine.async_engine import AsyncEngine
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

@@ -12,8 +12,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.flags import API_KEY_ENV
-from gateway.errors import APIError
+from tokenweir.engine.flags import API_KEY_ENV
+from tokenweir.gateway.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes: a load balancer and Prometheus hold no key
 

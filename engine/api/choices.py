@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from engine.output import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest
-from engine.responses import (
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.protocol import ChatCompletionRequest, CompletionRequest
+from tokenweir.engine.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -26,8 +26,8 @@ from engine.responses import (
     ToolCallDelta,
     TopLogprob,
 )
-from engine.sequence import TokenLogprob
-from engine.tokenizer import Tokenizer
+from tokenweir.engine.sequence import TokenLogprob
+from tokenweir.engine.tokenizer import Tokenizer
 
 
 def _tool_call_id() -> str:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from gateway.disconnect import wait_disconnect as wait_for_disconnect
+from tokenweir.gateway.disconnect import wait_disconnect as wait_for_disconnect
 
 __all__ = ["wait_for_disconnect"]

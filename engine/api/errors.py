@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineDeadError
-from engine.llm_engine import RequestError, RequestFailed
-from gateway.errors import APIError, validation_error
+from tokenweir.engine.async_engine import EngineDeadError
+from tokenweir.engine.llm_engine import RequestError, RequestFailed
+from tokenweir.gateway.errors import APIError, validation_error
 
 __all__ = ["APIError", "add_error_handlers", "to_api_error"]
 

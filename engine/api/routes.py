@@ -14,15 +14,21 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.api.choices import ChatRenderer, CompletionRenderer
-from engine.api.disconnect import wait_for_disconnect
-from engine.api.errors import APIError
-from engine.api.streaming import stream_response
-from engine.async_engine import AsyncEngine, RequestStream
-from engine.llm_engine import RequestError
-from engine.output import RequestOutput
-from engine.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from engine.responses import (
+from tokenweir.engine.api.choices import ChatRenderer, CompletionRenderer
+from tokenweir.engine.api.disconnect import wait_for_disconnect
+from tokenweir.engine.api.errors import APIError
+from tokenweir.engine.api.streaming import stream_response
+from tokenweir.engine.async_engine import AsyncEngine, RequestStream
+from tokenweir.engine.llm_engine import RequestError
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenweir.engine.responses import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -33,8 +39,8 @@ from engine.responses import (
     Usage,
     dump_response,
 )
-from engine.tokenizer import Tokenizer
-from policies import prefix_hash
+from tokenweir.engine.tokenizer import Tokenizer
+from tokenweir.policies import prefix_hash
 
 
 def _engine(request: Request) -> AsyncEngine:

@@ -15,10 +15,17 @@ from collections.abc import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from engine.api.errors import to_api_error
-from engine.async_engine import RequestStream
-from engine.output import RequestOutput
-from engine.responses import ChatChunkChoice, ChatCompletionChunk, Completion, DeltaMessage, Usage, dump_response
+from tokenweir.engine.api.errors import to_api_error
+from tokenweir.engine.async_engine import RequestStream
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Completion,
+    DeltaMessage,
+    Usage,
+    dump_response,
+)
 
 
 class RequestStreamResponse(StreamingResponse):

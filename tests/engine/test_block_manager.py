@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tokenweir.engine.block_manager import BlockManager
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.sequence import Sequence
 
 
 def seq(request_id: str, tokens: list[int]) -> Sequence:

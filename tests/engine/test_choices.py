@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
-from engine.llm_engine import LLMEngine
-from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.attention import AttentionMetadata
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,19 +10,19 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.flags import build_parser, engine_config, parse_args
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.engine.async_engine import AsyncEngine
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.flags import build_parser, engine_config, parse_args
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.server import build_app
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("entry", ["engine.server:main([{}])", "gateway.cli:main(['engine', {}])"])
+@pytest.mark.parametrize("entry", ["tokenweir.engine.server:main([{}])", "tokenweir.gateway.cli:main(['engine', {}])"])
 def test_help_imports_no_torch_and_documents_every_flag(entry):
     module, call = entry.split(":")
     code = (
@@ -123,11 +123,11 @@ def test_engine_logs_are_json(model_dir):
     """The engine's stdlib loggers, uvicorn's and structlog's all print one JSON object a line on stderr."""
     code = f"""
 import logging
-from engine.log_format import configure_logging
+from tokenweir.engine.log_format import configure_logging
 configure_logging("info")
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from gateway.logging import get_logger
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.gateway.logging import get_logger
 LLMEngine(EngineConfig(model={model_dir!r}, num_kv_blocks=8, num_threads=1))
 logging.getLogger("uvicorn.error").info("Application startup complete.")
 logging.getLogger("tokenweir.engine").debug("below the level: not printed")

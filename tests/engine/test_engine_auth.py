@@ -17,12 +17,12 @@ import pytest
 import uvicorn
 from fastapi.routing import APIRoute
 
-from engine.api.routes import router
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.flags import API_KEY_ENV
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
+from tokenweir.engine.api.routes import router
+from tokenweir.engine.async_engine import AsyncEngine
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.flags import API_KEY_ENV
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.server import build_app
 
 KEY = "s3cret-engine-key"
 OPEN = {"/health", "/metrics"}
@@ -126,7 +126,7 @@ def test_python_m_engine_server_takes_the_key_from_its_env(tiny_model_dir):
     args = ["--model", tiny_model_dir, "--port", str(port), "--num-kv-blocks", "32", "--num-threads", "1"]
     env = {**os.environ, API_KEY_ENV: KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.server", *args, "--log-level", "warning"],
+        [sys.executable, "-m", "tokenweir.engine.server", *args, "--log-level", "warning"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -4,10 +4,10 @@ many lengths, alone and all batched together with small prefill chunks, prefix c
 import pytest
 import torch
 
-from engine.config import default_model_path
-from engine.llm import LLM
-from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.config import default_model_path
+from tokenweir.engine.llm import LLM
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24

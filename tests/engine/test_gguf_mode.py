@@ -7,13 +7,13 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from engine.config import default_model_path
-from engine.gguf_blocks import BLOCK_BYTES
-from engine.linear import Int8Linear, Q4Linear
-from engine.llm import LLM
-from engine.loader import load_gguf_blocks
-from engine.precision import resolve
-from engine.sampling_params import SamplingParams
+from tokenweir.engine.config import default_model_path
+from tokenweir.engine.gguf_blocks import BLOCK_BYTES
+from tokenweir.engine.linear import Int8Linear, Q4Linear
+from tokenweir.engine.llm import LLM
+from tokenweir.engine.loader import load_gguf_blocks
+from tokenweir.engine.precision import resolve
+from tokenweir.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("mode", ["gguf", "gguf-a16"])

@@ -4,20 +4,23 @@ poller's last look, in the hash chain the gateway computes itself (policies/pref
 import subprocess
 import sys
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.stats import PrefixCacheLog
-from policies.prefix_hash import block_hashes, probe
 from tests.engine.test_server import serve
+from tokenweir.engine.block_manager import BlockManager
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.sequence import Sequence
+from tokenweir.engine.stats import PrefixCacheLog
+from tokenweir.policies.prefix_hash import block_hashes, probe
 
 TOKENS = list(range(100, 150))
 
 
 def test_block_hashes_are_stable_across_processes():
-    code = "from policies.prefix_hash import block_hashes as b, probe; print(b(list(range(100, 150)), 16), probe(16))"
+    code = (
+        "from tokenweir.policies.prefix_hash import block_hashes as b, probe;"
+        "print(b(list(range(100, 150)), 16), probe(16))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("]")
     assert out[0] + "]" == str(block_hashes(TOKENS, 16))
     assert int(out[1]) == probe(16)

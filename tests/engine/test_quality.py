@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from engine.config import default_model_path
-from engine.linear import Int8Linear, Q4Linear
-from engine.loader import load_gguf_blocks, load_model_weights
-from engine.model import LlamaForCausalLM
-from engine.perplexity import perplexity, window_logprobs
-from engine.precision import has_native_bf16
+from tokenweir.engine.config import default_model_path
+from tokenweir.engine.linear import Int8Linear, Q4Linear
+from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
+from tokenweir.engine.model import LlamaForCausalLM
+from tokenweir.engine.perplexity import perplexity, window_logprobs
+from tokenweir.engine.precision import has_native_bf16
 
 pytestmark = pytest.mark.slow
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "gfdl-1.3.txt")

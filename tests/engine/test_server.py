@@ -17,14 +17,14 @@ import pytest
 import torch
 import uvicorn
 
-from engine.async_engine import AsyncEngine, EngineThread
-from engine.config import EngineConfig
-from engine.flags import parse_size
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.server import build_app, main
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.engine.async_engine import AsyncEngine, EngineThread
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.flags import parse_size
+from tokenweir.engine.llm import LLM
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.server import build_app, main
 
 PROMPT = [5, 17, 42, 99, 3, 250, 8]
 LONG = 8000  # max_tokens of requests that are meant to be cut short: they cannot finish during a test
@@ -650,7 +650,7 @@ def test_python_m_engine_server_serves(model_dir):
         port = s.getsockname()[1]
     args = ["--model", model_dir, "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "32"]
     args += ["--max-model-len", "256", "--num-threads", "1", "--log-level", "warning"]
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", *args], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tokenweir.engine.server", *args], stdout=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):

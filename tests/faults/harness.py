@@ -129,7 +129,7 @@ class Gateway:
         log.write(f"\n===== start {self.starts} =====\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--no-engine", "--config", str(self.config_path)],
+            [sys.executable, "-m", "tokenweir.gateway.cli", "serve", "--no-engine", "--config", str(self.config_path)],
             cwd=self.root,
             env=self.env(),
             stdout=log,
@@ -290,10 +290,10 @@ class Stack:
         self.close()
 
     def open(self) -> None:
-        from gateway.store import Store
         from loadtests.fake_upstream import FakeUpstream
         from tests.faults.tcp_proxy import TCPProxy
         from tests.serve_thread import ServerThread
+        from tokenweir.gateway.store import Store
 
         self.fake = FakeUpstream(model=MODEL)
         self.upstream = ServerThread(self.fake).__enter__()
@@ -340,7 +340,7 @@ class Stack:
 
     # --- teams -------------------------------------------------------------------------------------------
     def team(self, label: str, limits=None) -> Team:
-        from policies.limits import TeamLimits
+        from tokenweir.policies.limits import TeamLimits
 
         limits = limits or TeamLimits()
         name = f"faults-{label}-{secrets.token_hex(4)}"
@@ -354,7 +354,7 @@ class Stack:
         """Usage already in the store today (so a start-up has spend to seed into the state backend)."""
         from datetime import UTC, datetime
 
-        from gateway.store import UsageRow
+        from tokenweir.gateway.store import UsageRow
 
         day = datetime.now(UTC).strftime("%Y-%m-%d")
         self.store.record_usage([UsageRow(team.id, day, MODEL, 1, tokens, 0, 0)])

@@ -240,7 +240,7 @@ def _cut_during(proxy, at_s: float, for_s: float, mode: str = "refuse", rst: boo
 
 
 def _limits(**kw):
-    from policies.limits import TeamLimits
+    from tokenweir.policies.limits import TeamLimits
 
     return TeamLimits(**kw)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from gateway.events import read_events
-from policies.limits import TeamLimits
+from tokenweir.gateway.events import read_events
+from tokenweir.policies.limits import TeamLimits
 
 
 def team(stack, limits: TeamLimits | None = None) -> tuple[str, str]:

@@ -8,15 +8,15 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 
-from gateway import keys
-from gateway.admin import router
-from gateway.auth import Authenticator, Principal, require_key
-from gateway.bootstrap import ensure_bootstrap
-from gateway.errors import APIError, api_error_handler
-from gateway.services import Services
-from gateway.state import InMemoryState
-from gateway.store import Store, UsageRow
-from policies.limits import TeamLimits
+from tokenweir.gateway import keys
+from tokenweir.gateway.admin import router
+from tokenweir.gateway.auth import Authenticator, Principal, require_key
+from tokenweir.gateway.bootstrap import ensure_bootstrap
+from tokenweir.gateway.errors import APIError, api_error_handler
+from tokenweir.gateway.services import Services
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.store import Store, UsageRow
+from tokenweir.policies.limits import TeamLimits
 
 
 def make_app(store: Store) -> FastAPI:

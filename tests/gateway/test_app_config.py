@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig, load_config
+from tokenweir.gateway.config import GatewayConfig, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 

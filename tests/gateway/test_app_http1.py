@@ -8,9 +8,9 @@ import contextlib
 import orjson
 import pytest
 
-from gateway.http1 import HTTP1Pool, HTTPError
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_thread import ServerThread
+from tokenweir.gateway.http1 import HTTP1Pool, HTTPError
 
 
 @pytest.fixture(scope="module")

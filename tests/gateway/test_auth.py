@@ -10,11 +10,11 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 
-from gateway.auth import Authenticator, Principal, require_admin, require_key
-from gateway.errors import APIError, api_error_handler
-from gateway.services import Services
-from gateway.store import Store
-from policies.limits import TeamLimits
+from tokenweir.gateway.auth import Authenticator, Principal, require_admin, require_key
+from tokenweir.gateway.errors import APIError, api_error_handler
+from tokenweir.gateway.services import Services
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 
 class CountingStore(Store):

@@ -6,8 +6,8 @@ import secrets
 
 import pytest
 
-from gateway.bootstrap import ensure_bootstrap
-from gateway.store import Conflict, Store
+from tokenweir.gateway.bootstrap import ensure_bootstrap
+from tokenweir.gateway.store import Conflict, Store
 
 
 def test_env_admin_key_is_the_admin_key_once(tmp_path):

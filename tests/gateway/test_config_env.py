@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import BundledEngineConfig, UpstreamConfig, load_config
+from tokenweir.gateway.config import BundledEngineConfig, UpstreamConfig, load_config
 
 
 def test_env_typo_names_the_variable_and_the_closest_setting():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import default_model_path
-from gateway.token_count import TokenCounter, estimate_tokens
+from tokenweir.engine.config import default_model_path
+from tokenweir.gateway.token_count import TokenCounter, estimate_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,10 +34,11 @@ SAMPLES = {
 
 def test_estimate_loads_no_tokenizer_and_no_engine():
     code = (
-        "import sys; from gateway.token_count import TokenCounter; c = TokenCounter(None);"
+        "import sys; from tokenweir.gateway.token_count import TokenCounter; c = TokenCounter(None);"
         "n = c.count_chat([{'role': 'user', 'content': 'hello world'}]);"
         "assert not c.exact and c.tokenizer is None and n > 0, n;"
-        "bad = [m for m in ('engine.tokenizer', 'engine.model', 'torch', 'gguf', 'numpy') if m in sys.modules];"
+        "heavy = ('tokenweir.engine.tokenizer', 'tokenweir.engine.model', 'torch', 'gguf', 'numpy');"
+        "bad = [m for m in heavy if m in sys.modules];"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

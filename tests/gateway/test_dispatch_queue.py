@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.dispatch_queue import DispatchQueue
-from policies.decisions import Rejected
+from tokenweir.gateway.dispatch_queue import DispatchQueue
+from tokenweir.policies.decisions import Rejected
 
 
 async def settle_loop(rounds: int = 3) -> None:

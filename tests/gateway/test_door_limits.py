@@ -11,9 +11,6 @@ import httpx
 import orjson
 import pytest
 
-from gateway.config import load_config
-from gateway.http_door import protocol_class
-from gateway.http_limits import HttpLimits, uvicorn_options
 from loadtests.fake_upstream import free_port
 from tests.door_client import (
     closes_within,
@@ -28,6 +25,9 @@ from tests.door_client import (
 )
 from tests.serve_process import serve_process
 from tests.serve_thread import ServerThread
+from tokenweir.gateway.config import load_config
+from tokenweir.gateway.http_door import protocol_class
+from tokenweir.gateway.http_limits import HttpLimits, uvicorn_options
 
 # Short timeouts, so that what must be cut is cut within a test's patience.
 HTTP = {"header_timeout_s": 1, "body_timeout_s": 1, "keep_alive_s": 1, "max_header_fields": 20}

@@ -9,11 +9,11 @@ import httpx
 import openai
 import pytest
 
-from gateway.bootstrap import ensure_bootstrap
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.bootstrap import ensure_bootstrap
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store import Store
 
 HELLO = [{"role": "user", "content": "hello"}]
 

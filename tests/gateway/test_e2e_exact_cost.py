@@ -13,14 +13,14 @@ import time
 import httpx
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.state import InMemoryState
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
-from policies.limits import TeamLimits
-from policies.pricing import Prices, femtos_to_usd, usd_to_femtos
 from tests.gateway.stack_support import events_of, team
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
+from tokenweir.policies.pricing import Prices, femtos_to_usd, usd_to_femtos
 
 MODEL = "tiny"
 PRICE = 1e-6  # USD per 1M tokens, input and output: 1,000 femto-USD a token

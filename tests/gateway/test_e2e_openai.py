@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
-from policies.limits import TeamLimits
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 MODEL = "fake-model"
 

@@ -15,16 +15,16 @@ import uuid
 import httpx
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
-from policies.limits import TeamLimits
 from tests.gateway.stack_support import events_of, team
 from tests.gateway.state_support import URL
 from tests.gateway.test_key_limits import _drop_prefix, _redis_prefix
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 MODEL = "m"
 PROMPT = [101, 102, 103, 104, 105, 106]  # 6 token ids: the gateway's count and the upstream's agree exactly

@@ -9,12 +9,12 @@ import uuid
 import openai
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
-from policies.limits import TeamLimits
 from tests.conftest import require_service
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 PROMPT = [7, 8, 9, 10]

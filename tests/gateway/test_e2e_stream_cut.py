@@ -15,13 +15,13 @@ import httpx
 import orjson
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.state import InMemoryState
-from gateway.store import Store
-from gateway.stream_chunks import ChunkFilter
 from loadtests.fake_upstream import FakeUpstream
 from tests.gateway.stack_support import events_of, team
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.stream_chunks import ChunkFilter
 
 PROMPT = [101, 102, 103, 104, 105, 106]  # token ids: the gateway's count and the upstream's agree exactly
 MAX_TOKENS = 5

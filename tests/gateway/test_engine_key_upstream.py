@@ -9,17 +9,17 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
-from gateway import relay
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.store import Store
-from gateway.upstream import Hop
-from policies.limits import TeamLimits
 from tests.engine.tiny_llama import make_tiny_llama
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.engine.async_engine import AsyncEngine
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.server import build_app
+from tokenweir.gateway import relay
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.upstream import Hop
+from tokenweir.policies.limits import TeamLimits
 
 KEY = "engine-key-for-the-gateway"
 PROMPT = [5, 17, 42, 99, 3]

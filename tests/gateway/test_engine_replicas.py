@@ -10,11 +10,18 @@ import orjson
 import pytest
 import structlog.testing
 
-from gateway import cli, serve_engines
-from gateway.config import BreakerConfig, BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig, load_config
-from gateway.metrics import Metrics
-from gateway.supervisor import Child
-from gateway.upstream import CLOSED, OPEN, Upstreams
+from tokenweir.gateway import cli, serve_engines
+from tokenweir.gateway.config import (
+    BreakerConfig,
+    BundledEngineConfig,
+    GatewayConfig,
+    PoolConfig,
+    UpstreamConfig,
+    load_config,
+)
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.supervisor import Child
+from tokenweir.gateway.upstream import CLOSED, OPEN, Upstreams
 
 
 def test_replicas_from_the_file_and_env_and_validated(tmp_path):
@@ -34,7 +41,7 @@ def test_one_engine_keeps_todays_command_line():
     assert cmd == [
         sys.executable,
         "-m",
-        "engine.server",
+        "tokenweir.engine.server",
         "--port",
         "8100",
         "--served-model-name",
@@ -73,7 +80,7 @@ def test_replicas_split_the_gpu_share_each_engine_reads_as_its_own():
 def test_a_gpu_kv_budget_is_the_processs_own_share_so_engines_started_one_after_another_get_equal_pools():
     """Two engines at 0.425 each on an 80 GiB GPU, 1 GiB of weights and 2 GiB of activation peak each, about
     0.5 GiB of CUDA context each: the second sees the first's memory gone from `free` and still gets the same."""
-    from engine.llm_engine import kv_budget_bytes
+    from tokenweir.engine.llm_engine import kv_budget_bytes
 
     gib = 2**30
     total, weights, peak, context = 80 * gib, 1 * gib, 2 * gib, gib // 2
@@ -164,7 +171,7 @@ class _Client:
 
 
 async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
-    from gateway.http1 import HTTPError
+    from tokenweir.gateway.http1 import HTTPError
 
     replicas, upstreams, metrics = _replicas(tmp_path)
     e0 = upstreams.get("smollm2-135m").instances[0]

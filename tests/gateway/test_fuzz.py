@@ -26,11 +26,11 @@ from schemathesis.config import GenerationConfig
 from schemathesis.core import NotSet
 from schemathesis.python import asgi as schemathesis_asgi
 
-from gateway.app import create_app
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread
+from tokenweir.gateway.app import create_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store import Store
 
 MODEL = "fake-model"  # served by the fake as if it were our engine (text only, /abort, exact usage)
 EXTERNAL = "external-model"  # the same fake as an external OpenAI-compatible upstream (estimates, any part type)

@@ -8,10 +8,10 @@ import time
 import types
 import uuid
 
-from gateway.context import RequestContext
-from gateway.inflight import InflightJournal, read_unfinished
-from policies.reservation import Reservation
 from tests.conftest import require_service
+from tokenweir.gateway.context import RequestContext
+from tokenweir.gateway.inflight import InflightJournal, read_unfinished
+from tokenweir.policies.reservation import Reservation
 
 HOP = types.SimpleNamespace(
     instance=types.SimpleNamespace(cfg=types.SimpleNamespace(base_url="http://127.0.0.1:9", engine=True)),
@@ -77,7 +77,7 @@ def test_the_journal_stays_small_however_many_requests_pass(tmp_path):
 
 
 def test_a_request_releases_its_own_lease_by_id_not_another_ones():
-    from gateway.state_redis import RedisState
+    from tokenweir.gateway.state_redis import RedisState
 
     state = RedisState(prefix=f"twtest-{uuid.uuid4().hex[:8]}")
     try:

@@ -14,15 +14,15 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gateway import body as body_parsing
-from gateway.admin import router as admin_router
-from gateway.auth import Authenticator
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.services import Services
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
-from policies.limits import TeamLimits
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway import body as body_parsing
+from tokenweir.gateway.admin import router as admin_router
+from tokenweir.gateway.auth import Authenticator
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.services import Services
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "Say hello"}]

@@ -12,19 +12,19 @@ import uuid
 import httpx
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
-from gateway.store import Store, UsageRow
-from gateway.store_usage import KeyUsageRow
-from gateway.usage import seed_key_budgets
 from loadtests.fake_upstream import FakeUpstream
-from policies.decisions import Rejected
-from policies.limits import KeyLimits, TeamLimits
 from tests.conftest import require_service
 from tests.gateway.state_support import NOW, URL
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.store import Store, UsageRow
+from tokenweir.gateway.store_usage import KeyUsageRow
+from tokenweir.gateway.usage import seed_key_budgets
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 MODEL, OTHER = "m", "m2"
 PROMPT = [101, 102, 103, 104, 105, 106]  # 6 token ids: the gateway's count and the upstream's agree exactly

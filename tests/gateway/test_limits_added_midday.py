@@ -11,13 +11,13 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
-from policies.decisions import Rejected
-from policies.limits import KeyLimits, TeamLimits
 from tests.gateway import test_key_limits
 from tests.gateway.state_support import NOW, URL
 from tests.gateway.test_key_limits import admin, call, error, team_with_keys
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 stack = test_key_limits.stack  # the gateway on each state backend (one per module)
 

@@ -14,14 +14,14 @@ import time
 import openai
 import pytest
 
-from gateway import stream_chunks
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
-from gateway.store import Store
-from gateway.token_count import TokenCounter
 from loadtests.fake_upstream import FakeUpstream, embedding_vector
-from policies.limits import TeamLimits
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway import stream_chunks
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.token_count import TokenCounter
+from tokenweir.policies.limits import TeamLimits
 
 UPSTREAM_MODEL = "fake-model"
 EXTERNAL = "ext-model"  # an external OpenAI-compatible pool, context length from its config

@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream
 from tests.gateway.test_reliability import MODEL, make_team
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.store import Store
 
 CASES = {  # the engine's answer -> what the client gets, and how many engines saw the request
     "grammar_400": (

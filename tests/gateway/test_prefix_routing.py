@@ -5,11 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.dispatch import Dispatcher
-from gateway.metrics import Metrics
-from gateway.upstream import Upstreams, forget_evicted
-from policies.prefix_hash import block_hashes, probe
+from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.dispatch import Dispatcher
+from tokenweir.gateway.metrics import Metrics
+from tokenweir.gateway.upstream import Upstreams, forget_evicted
+from tokenweir.policies.prefix_hash import block_hashes, probe
 
 TEAM = list(range(200)) + [7, 8, 9]
 
@@ -111,8 +111,8 @@ def test_prompt_ids_match_the_engines_own_encoding():
     """The gateway tokenizes a chat as the engine will (engine/protocol.py to_template + encode_chat), so its block
     hashes name the engine's cache keys."""
     pytest.importorskip("gguf")
-    from engine.protocol import ChatCompletionRequest
-    from gateway.prompt_ids import _tokenizer, prompt_token_ids
+    from tokenweir.engine.protocol import ChatCompletionRequest
+    from tokenweir.gateway.prompt_ids import _tokenizer, prompt_token_ids
 
     body = {
         "model": "m",

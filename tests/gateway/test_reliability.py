@@ -10,14 +10,14 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import replay_usage
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from gateway.events import EventWriter, read_events, replay_after
-from gateway.store import Store
-from gateway.usage import UsageRecorder
 from loadtests.fake_upstream import FakeUpstream, free_port
-from policies.limits import TeamLimits
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.app import replay_usage
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
+from tokenweir.gateway.events import EventWriter, read_events, replay_after
+from tokenweir.gateway.store import Store
+from tokenweir.gateway.usage import UsageRecorder
+from tokenweir.policies.limits import TeamLimits
 
 MODEL = "m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}

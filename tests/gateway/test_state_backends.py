@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
-from policies.decisions import Rejected
-from policies.limits import TeamLimits
-from policies.pricing import Prices, femtos_to_usd
 from tests.gateway.state_support import NOW, URL, Clock
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import TeamLimits
+from tokenweir.policies.pricing import Prices, femtos_to_usd
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -17,15 +17,15 @@ import httpx
 import pytest
 import redis
 
-from gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from gateway.state import StateUnavailable
-from gateway.state_redis import RedisState
-from gateway.state_redis_epoch import RedisEpoch, SubjectSpend
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream, free_port
-from policies.limits import KeyLimits, TeamLimits
 from tests.conftest import require_service
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
+from tokenweir.gateway.state import StateUnavailable
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.state_redis_epoch import RedisEpoch, SubjectSpend
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 URL = "redis://127.0.0.1:6379/13"
 PROMPT = [101, 102, 103, 104, 105, 106]  # 6 tokens, as the gateway and the fake upstream both count them

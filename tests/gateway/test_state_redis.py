@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from gateway.state import InMemoryState
-from gateway.state_redis import RedisState
-from policies.decisions import Rejected
-from policies.limits import KeyLimits, TeamLimits
 from tests.gateway.state_support import NOW, URL, Clock
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.state_redis import RedisState
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 
 @pytest.fixture

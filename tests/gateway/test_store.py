@@ -8,12 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gateway import keys
-from gateway.store import Conflict, NotFound, Store, UsageRow
-from gateway.store_db import DB_ERRORS, split_sql
-from gateway.store_usage import KeyUsageRow
-from policies.limits import KeyLimits, TeamLimits
 from tests.gateway.store_fixtures import open_store, pg_schema_url
+from tokenweir.gateway import keys
+from tokenweir.gateway.store import Conflict, NotFound, Store, UsageRow
+from tokenweir.gateway.store_db import DB_ERRORS, split_sql
+from tokenweir.gateway.store_usage import KeyUsageRow
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 SCHEMA_VERSION_DDL = "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name TEXT, applied_at TEXT)"
 

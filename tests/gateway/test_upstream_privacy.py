@@ -9,12 +9,12 @@ import time
 import httpx
 import pytest
 
-from gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from gateway.events import read_events
-from gateway.store import Store
 from loadtests.fake_upstream import FakeUpstream, free_port
-from policies.limits import TeamLimits
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.events import read_events
+from tokenweir.gateway.store import Store
+from tokenweir.policies.limits import TeamLimits
 
 PROMPT = [1, 2, 3]
 ADDRESS_MARKS = ("127.0.0.1", "http://", "localhost")

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from gateway.state import InMemoryState
-from gateway.store import Store, UsageRow
-from gateway.usage import UsageRecorder, seed_key_budgets
-from policies.pricing import Prices, femtos_to_usd
 from tests.gateway.store_fixtures import open_store
+from tokenweir.gateway.state import InMemoryState
+from tokenweir.gateway.store import Store, UsageRow
+from tokenweir.gateway.usage import UsageRecorder, seed_key_budgets
+from tokenweir.policies.pricing import Prices, femtos_to_usd
 
 
 @pytest.fixture

@@ -14,5 +14,5 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "kernels.triton_paged" in sys.modules:
-        importlib.reload(sys.modules["kernels.triton_paged"])
+    if "tokenweir.kernels.triton_paged" in sys.modules:
+        importlib.reload(sys.modules["tokenweir.kernels.triton_paged"])

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from kernels import bench
 from tests.kernels.helpers import DEVICE
+from tokenweir.kernels import bench
 
 pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU run `python -m kernels.bench` itself")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build, cpu_ops
+from tokenweir.kernels import cpu_build, cpu_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ PyMODINIT_FUNC TW_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(
 LOADER = """
 import logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-from kernels import cpu_ops
+from tokenweir.kernels import cpu_ops
 cpu_ops.SOURCES = [sys.argv[1]]
 cpu_ops.HEADERS = []
 started = time.monotonic()
@@ -227,14 +227,16 @@ def test_a_failed_build_is_reported_with_the_compiler_error_and_the_start_goes_o
 
 
 def test_a_moved_checkout_loads_the_cached_kernels_without_compiling(tmp_path: Path, ext_dir: Path):
+    # the copy is imported as tokenweir.kernels from its own folder (PYTHONPATH comes before the installed one)
     before, after = tmp_path / "checkout", tmp_path / "moved"
-    shutil.copytree(REPO / "kernels", before / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
-    write_source(before / "kernels" / "tiny")
-    answer, text, built_s = run_loader(before, before / "kernels" / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
-    assert answer == "42" and str(before / "kernels" / "cpu_ops.py") in text, text
+    kernels = Path("tokenweir") / "kernels"
+    shutil.copytree(REPO / "kernels", before / kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    write_source(before / kernels / "tiny")
+    answer, text, built_s = run_loader(before, before / kernels / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
+    assert answer == "42" and str(before / kernels / "cpu_ops.py") in text, text
 
     shutil.move(before, after)
-    answer, text, loaded_s = run_loader(after, after / "kernels" / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
-    assert answer == "42" and str(after / "kernels" / "cpu_ops.py") in text, text
+    answer, text, loaded_s = run_loader(after, after / kernels / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
+    assert answer == "42" and str(after / kernels / "cpu_ops.py") in text, text
     assert loaded_s < 0.5, f"took {loaded_s:.2f} s after the move (the build took {built_s:.2f} s):\n{text}"
     assert "compiling" not in text

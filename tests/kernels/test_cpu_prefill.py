@@ -6,8 +6,8 @@ reference."""
 import pytest
 import torch
 
-from engine.precision import cpu_flags
-from kernels import cpu_ops, cpu_paged, reference
+from tokenweir.engine.precision import cpu_flags
+from tokenweir.kernels import cpu_ops, cpu_paged, reference
 
 AVX512 = "avx512f" in cpu_flags()
 

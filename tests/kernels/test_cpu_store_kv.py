@@ -6,7 +6,7 @@ write."""
 import pytest
 import torch
 
-from kernels import cpu_ops, cpu_paged, reference
+from tokenweir.kernels import cpu_ops, cpu_paged, reference
 
 
 def case(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slot_dtype: torch.dtype, seed: int):

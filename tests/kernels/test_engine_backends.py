@@ -9,11 +9,11 @@ import collections
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from kernels import cpu_ops, triton_paged
 from tests.engine.tiny_llama import make_tiny_llama
 from tests.kernels.helpers import DEVICE
+from tokenweir.engine.llm import LLM
+from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.kernels import cpu_ops, triton_paged
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ kernels where they build, else torch)."""
 import pytest
 import torch
 
-from kernels import cpu_ops, cpu_paged, ops, reference, triton_paged
+from tokenweir.kernels import cpu_ops, cpu_paged, ops, reference, triton_paged
 
 AUTO = "triton" if torch.cuda.is_available() else ("cpu" if cpu_ops.load() is not None else "torch")
 

@@ -8,8 +8,8 @@ before the call so an element no program wrote fails too.
 import pytest
 import torch
 
-from kernels import reference, triton_paged
 from tests.kernels.helpers import DEVICE, make_paged_batch, naive_attention, randn
+from tokenweir.kernels import reference, triton_paged
 
 ATOL = 2e-5
 

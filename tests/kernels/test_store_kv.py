@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import reference, triton_paged
 from tests.kernels.helpers import DEVICE, randn
+from tokenweir.kernels import reference, triton_paged
 
 
 @pytest.mark.parametrize("impl", [reference, triton_paged], ids=["torch", "triton"])

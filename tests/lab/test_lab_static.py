@@ -40,11 +40,11 @@ def flags_of(cmd: list[str]) -> set[str]:
 
 def check_tokenweir_cmd(cmd: list[str], where: str) -> None:
     """`tokenweir engine ...` / `tokenweir serve ...` (or python -m engine.server / gateway.cli serve)."""
-    if cmd[:2] == ["tokenweir", "engine"] or "engine.server" in cmd:
-        known = help_flags("engine.server")
-    elif cmd[:2] == ["tokenweir", "serve"] or "gateway.cli" in cmd:
+    if cmd[:2] == ["tokenweir", "engine"] or "tokenweir.engine.server" in cmd:
+        known = help_flags("tokenweir.engine.server")
+    elif cmd[:2] == ["tokenweir", "serve"] or "tokenweir.gateway.cli" in cmd:
         assert "serve" in cmd, f"{where}: {cmd}"
-        known = help_flags("gateway.cli", "serve")
+        known = help_flags("tokenweir.gateway.cli", "serve")
     else:
         raise AssertionError(f"{where}: not a tokenweir command: {cmd}")
     unknown = flags_of(cmd) - known
@@ -130,7 +130,7 @@ def test_compose_engines_need_an_api_key_that_the_gateways_send():
         assert "--api-key" not in services[name]["command"], "a key in argv is visible to `ps` and inspect"
     upstreams = yaml.safe_load((ROOT / "deploy" / "gateway.yaml").read_text())["pools"][0]["upstreams"]
     assert {u.get("api_key_env") for u in upstreams} == {render.ENGINE_KEY_ENV}
-    assert "--api-key" in help_flags("engine.server")
+    assert "--api-key" in help_flags("tokenweir.engine.server")
 
 
 def test_compose_commands_use_existing_cli_flags():
@@ -183,7 +183,7 @@ def test_lab_commands_use_existing_cli_flags(tmp_path):
 
 
 def test_rendered_files_are_current_and_valid(tmp_path):
-    from gateway.config import load_config
+    from tokenweir.gateway.config import load_config
 
     assert render.main(["--check"]) == 0, "run python -m deploy.render"
     config = load_config(ROOT / "deploy" / "gateway.yaml", env={render.ENGINE_KEY_ENV: "k3y"})

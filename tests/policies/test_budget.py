@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from policies.budget import (
+from tokenweir.policies.budget import (
     DAY,
     MONTH,
     Budget,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from policies.caps import apply_caps
+from tokenweir.policies.caps import apply_caps
 
 
 def test_requested_within_all_caps_is_kept():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.pricing import (
+from tokenweir.policies.pricing import (
     Prices,
     femtos_to_usd,
     max_cost_over,

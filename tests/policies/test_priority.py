@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL, PRIORITY_STANDARD
-from policies.priority import BIG, StrideScheduler, band_of, pick_displaced, stride_of
+from tokenweir.policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL, PRIORITY_STANDARD
+from tokenweir.policies.priority import BIG, StrideScheduler, band_of, pick_displaced, stride_of
 
 
 def test_band_of_clamps_and_defaults():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from policies.rate import SlidingWindow
+from tokenweir.policies.rate import SlidingWindow
 
 T0 = 1_700_000_000.0  # a slot boundary (divisible by 1s)
 

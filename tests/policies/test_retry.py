@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from policies.decisions import REASON_STATUS, Rejected
-from policies.retry import MAX_RETRY_AFTER_S, queue_retry_after, reset_header, retry_after
+from tokenweir.policies.decisions import REASON_STATUS, Rejected
+from tokenweir.policies.retry import MAX_RETRY_AFTER_S, queue_retry_after, reset_header, retry_after
 
 
 @pytest.mark.parametrize(

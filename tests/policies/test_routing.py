@@ -3,9 +3,9 @@ strategies."""
 
 import pytest
 
-from gateway.prefix_index import PrefixIndex
-from policies.prefix_hash import block_hashes
-from policies.routing import Candidate, RouteParams, rank
+from tokenweir.gateway.prefix_index import PrefixIndex
+from tokenweir.policies.prefix_hash import block_hashes
+from tokenweir.policies.routing import Candidate, RouteParams, rank
 
 PARAMS = RouteParams()
 NAMES = ("e0", "e1", "e2", "e3")
