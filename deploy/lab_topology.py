@@ -43,7 +43,7 @@ def gateway_cmd(config_path: Path, port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "tokenweir.gateway.cli",
+        "tokenweir.gateway.process.cli",
         "serve",
         "--no-engine",
         "--config",

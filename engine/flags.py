@@ -9,7 +9,7 @@ import os
 import re
 
 from tokenweir.engine.config import EngineConfig
-from tokenweir.gateway.http_limits import HttpLimits, add_http_flags
+from tokenweir.gateway.server.door_limits import HttpLimits, add_http_flags
 
 API_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"  # as vLLM reads VLLM_API_KEY
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never

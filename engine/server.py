@@ -13,7 +13,7 @@ from functools import partial
 from tokenweir.engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
 from tokenweir.engine.flags import api_key, engine_config, parse_args
 from tokenweir.engine.flags import (
-    parse_size as parse_size,  # gateway/serve_engines.py reads its sizes through this module
+    parse_size as parse_size,  # gateway/process/engines.py reads its sizes through this module
 )
 from tokenweir.engine.log_format import configure_logging
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from tokenweir.engine.api import build_app
     from tokenweir.engine.async_engine import AsyncEngine, EngineThread
     from tokenweir.engine.llm_engine import LLMEngine
-    from tokenweir.gateway.http_limits import http_limits_from_args, uvicorn_options
+    from tokenweir.gateway.server.door_limits import http_limits_from_args, uvicorn_options
 
     try:
         config = engine_config(args)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(async_engine, api_key=api_key(args))
     print(f"tokenweir engine: serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     # Connections are bounded at the door (head size and deadline, body pauses, keep-alive of KEEP_ALIVE_S, open
-    # connections): --max-header-bytes and the other flags of gateway/http_limits.py.
+    # connections): --max-header-bytes and the other flags of gateway/server/door_limits.py.
     # On SIGTERM, streams get GRACEFUL_SHUTDOWN_S to finish; then they are cancelled, which aborts them in the engine.
     uvicorn.run(
         app,

@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 import yaml
 
-from tokenweir.gateway.http_limits import HttpLimits
+from tokenweir.gateway.server.door_limits import HttpLimits
 from tokenweir.policies.pricing import Prices, price_error
 from tokenweir.policies.routing import RouteParams
 
@@ -34,8 +34,8 @@ OTHER_ENV = frozenset(
         "TOKENWEIR_UPSTREAM_URL",  # the one-upstream shortcut, below
         "TOKENWEIR_UPSTREAM_MODEL",
         "TOKENWEIR_UPSTREAM_TOKENIZER",
-        "TOKENWEIR_KEY_PEPPER",  # gateway/store.py
-        "TOKENWEIR_ADMIN_KEY",  # gateway/bootstrap.py
+        "TOKENWEIR_KEY_PEPPER",  # gateway/store/store.py
+        "TOKENWEIR_ADMIN_KEY",  # gateway/process/bootstrap.py
         "TOKENWEIR_ATTENTION_BACKEND",  # the engine
         "TOKENWEIR_ENGINE_API_KEY",  # the engine's --api-key (engine/flags.py)
     }
@@ -155,7 +155,7 @@ class StateConfig:
     on_unavailable: str = "fail_closed"
     retry_after_s: int = 2
     # how often each replica checks that Redis still holds its data (an epoch marker); a loss is repaired within
-    # about twice this (gateway.state_repair)
+    # about twice this (gateway.state.repair)
     watch_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -241,7 +241,7 @@ class GatewayConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
     # The gateway's HTTP server, per connection: head size, field count and deadline, body pauses, idle
-    # keep-alive, open connections per process (gateway/http_limits.py).
+    # keep-alive, open connections per process (gateway/server/door_limits.py).
     http: HttpLimits = field(default_factory=HttpLimits)
     default_max_tokens: int = 1024  # when neither the request nor the team's cap says
     max_body_bytes: int = 4 * 1024 * 1024

@@ -54,9 +54,9 @@ def run_gateway(upstream_url: str, port: int, workdir: str, key_file: str) -> No
     """The gateway process: a store with one fully-limited team, then uvicorn (one worker)."""
     import uvicorn
 
-    from tokenweir.gateway.app import create_app
     from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-    from tokenweir.gateway.store import Store
+    from tokenweir.gateway.server.app import create_app
+    from tokenweir.gateway.store.store import Store
     from tokenweir.policies.limits import TeamLimits
 
     store = Store.open(f"sqlite:///{workdir}/bench.db")

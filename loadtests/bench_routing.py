@@ -133,7 +133,7 @@ class Serve:
         args = ["serve", "--config", str(config_path), "--port", str(self.port), "--engine-port", str(free_port())]
         args += ["--engines", str(engines), "--store", f"sqlite:///{store}"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenweir.gateway.cli", *args],
+            [sys.executable, "-m", "tokenweir.gateway.process.cli", *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,

@@ -19,7 +19,7 @@ SLOTS = 60
 
 
 # The slot arithmetic, in one place for both backends: SlidingWindow below, and RedisState's snapshot and headers
-# (gateway/state_redis.py). The Lua scripts in gateway/state_redis_lua.py repeat it because they run inside Redis;
+# (gateway/state/redis.py). The Lua scripts in gateway/state/redis_lua.py repeat it because they run inside Redis;
 # test_parity_with_in_memory_state (tests/gateway/test_state_redis.py) checks the two agree.
 
 

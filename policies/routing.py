@@ -1,5 +1,5 @@
-"""Which instance of a pool serves a request: a pure ranking (no I/O), fed by the gateway (gateway/upstream.py) with
-what it knows of each instance and what its prefix index says each one holds.
+"""Which instance of a pool serves a request: a pure ranking (no I/O), fed by the gateway (gateway/upstream/pools.py)
+with what it knows of each instance and what its prefix index says each one holds.
 
 Strategies (per pool, `route:` in the pool config):
 - `prefix` (engine pools' default): the instance expected to hold the longest cached prefix of the prompt, traded

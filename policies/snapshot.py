@@ -1,6 +1,6 @@
 """What a team's live limits state looks like from outside: the `x-ratelimit-*` headers of an admitted or refused
-request, and the snapshot the admin API and /metrics read. Both state backends (gateway/state.py,
-gateway/state_redis.py) gather their own numbers and build these views here, so the two cannot drift apart.
+request, and the snapshot the admin API and /metrics read. Both state backends (gateway/state/memory.py,
+gateway/state/redis.py) gather their own numbers and build these views here, so the two cannot drift apart.
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ class ServeProcess:
 
 @contextmanager
 def serve_process(args: list[str], env: dict[str, str | None] | None = None, timeout_s: float = 60):
-    """Run `python -m gateway.cli serve ARGS` until the block ends (killed if still alive then). `env` adds to this
-    process's environment; a None value removes that variable."""
+    """Run `python -m gateway.process.cli serve ARGS` until the block ends (killed if still alive then). `env` adds to
+    this process's environment; a None value removes that variable."""
     port = int(args[args.index("--port") + 1])
     child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenweir.gateway.cli", "serve", *args],
+        [sys.executable, "-m", "tokenweir.gateway.process.cli", "serve", *args],
         cwd=ROOT,
         env={k: v for k, v in child_env.items() if v is not None},
         stdout=subprocess.PIPE,

@@ -24,8 +24,8 @@ import pytest
 from loadtests.fake_upstream import free_port
 from tests.serve_process import serve_process
 from tokenweir.engine.flags import API_KEY_ENV
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.accounting.events import read_events
+from tokenweir.gateway.store.store import Store
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -45,7 +45,7 @@ from tests.serve_engines_support import (
     system_prompt,
     wait_for,
 )
-from tokenweir.gateway.events import read_events
+from tokenweir.gateway.accounting.events import read_events
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3  # a team's first request and two repeats: the repeats are what either route caches or not

@@ -1,7 +1,7 @@
 """A gateway worker killed with SIGKILL under `tokenweir serve --workers 2` costs nothing: real processes, the real
 Redis, a fake upstream that answers POST /abort with the usage it made (as our engine does).
 
-The restart of the killed worker settles the requests it had in flight (gateway/inflight.py): every token the
+The restart of the killed worker settles the requests it had in flight (gateway/request/inflight.py): every token the
 upstream served for them is billed, each gets one event, and the team's concurrency slots and budget holds the
 dead worker held are free as soon as it serves again, not when their leases expire.
 """
@@ -23,7 +23,7 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_process import serve_process
 from tests.serve_thread import ServerThread
 from tests.test_serve_workers import REDIS_URL, Output, alive, forget_state, lines_of, redis_client, wait_for
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 
 __all__ = ["redis_client"]  # the fixture, used by name
 

@@ -27,7 +27,7 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.conftest import require_service
 from tests.serve_process import ROOT, serve_process
 from tests.serve_thread import ServerThread
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 READY = re.compile(r"gateway worker (\d+) \(pid (\d+)\) ready")
@@ -230,7 +230,7 @@ def test_workers_whose_parent_is_killed_drain_flush_and_exit(tmp_path, redis_cli
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_workers_without_the_shared_state_refuse_to_start(tmp_path, how):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWEIR_")}
-    cmd = [sys.executable, "-m", "tokenweir.gateway.cli", "serve", "--no-engine", "--port", str(free_port())]
+    cmd = [sys.executable, "-m", "tokenweir.gateway.process.cli", "serve", "--no-engine", "--port", str(free_port())]
     cmd += ["--store", f"sqlite:///{tmp_path / 'tw.db'}"]
     if how == "flag":
         cmd += ["--workers", "2"]

@@ -13,7 +13,7 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenweir.engine.flags import API_KEY_ENV
-from tokenweir.gateway.errors import APIError
+from tokenweir.gateway.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes: a load balancer and Prometheus hold no key
 

@@ -1,10 +1,10 @@
 """Every error the engine's API answers, in OpenAI's shape: `{"error": {message, type, param, code}}`.
 
-`APIError` is the one error type the API layer raises, the gateway's own (gateway/errors.py: torch-free, so both halves
-share it); `to_api_error` maps the engine's own exceptions onto it, so a JSON response (one exception handler per type)
-and an error event inside an SSE stream say the same thing. A body that fails its schema is worded by the gateway's
-`validation_error`, in the engine's codes ('invalid_request') and params ('messages[0].role').
-Bad input is always a 4xx naming the field, never a 500; a 500 means the engine itself failed.
+`APIError` is the one error type the API layer raises, the gateway's own (gateway/server/errors.py: torch-free, so both
+halves share it); `to_api_error` maps the engine's own exceptions onto it, so a JSON response (one exception handler per
+type) and an error event inside an SSE stream say the same thing. A body that fails its schema is worded by the
+gateway's `validation_error`, in the engine's codes ('invalid_request') and params ('messages[0].role'). Bad input is
+always a 4xx naming the field, never a 500; a 500 means the engine itself failed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenweir.engine.async_engine import EngineDeadError
 from tokenweir.engine.llm_engine import RequestError, RequestFailed
-from tokenweir.gateway.errors import APIError, validation_error
+from tokenweir.gateway.server.errors import APIError, validation_error
 
 __all__ = ["APIError", "add_error_handlers", "to_api_error"]
 

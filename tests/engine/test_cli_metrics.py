@@ -22,7 +22,9 @@ def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("entry", ["tokenweir.engine.server:main([{}])", "tokenweir.gateway.cli:main(['engine', {}])"])
+@pytest.mark.parametrize(
+    "entry", ["tokenweir.engine.server:main([{}])", "tokenweir.gateway.process.cli:main(['engine', {}])"]
+)
 def test_help_imports_no_torch_and_documents_every_flag(entry):
     module, call = entry.split(":")
     code = (

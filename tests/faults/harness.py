@@ -2,7 +2,7 @@
 
     with Stack(tmp_dir) as st:                        # fake upstream + Redis proxy + SQLite store
         big = st.team("big")                          # a team and its key, made directly in the store
-        gw = st.gateway("a", state="redis").start()   # `python -m gateway.cli serve --no-engine --config ...`
+        gw = st.gateway("a", state="redis").start()   # `python -m gateway.process.cli serve --no-engine --config ...`
         outcomes = run(storm(gw.url, [Req(big.secret, completion(...))]))
         st.redis_proxy.cut(); st.redis_proxy.restore()
         gw.stop()                                     # SIGTERM (SIGKILL past a deadline)
@@ -27,7 +27,7 @@ Invariants every scenario checks once its traffic has ended (tests/faults/scenar
   (c) nothing outlives its request: within a few seconds of the traffic's end (`leaks_redis` waits 4 s; the
       leases live 60 s and the holds 15 min, so this is the gateway handing them back, not their expiry), every
       subject's `slots` and `holds` zsets in Redis are empty and its meta `reserved` is 0 (the team's and each
-      API key's, gateway/state_redis_keys.py), or the in-memory state's in-flight, open reservations and
+      API key's, gateway/state/redis_keys.py), or the in-memory state's in-flight, open reservations and
       reserved tokens are 0; and each gateway still running reports nothing in flight upstream or queued
       (`in_flight_left`, from its /metrics).
 """
@@ -129,7 +129,15 @@ class Gateway:
         log.write(f"\n===== start {self.starts} =====\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenweir.gateway.cli", "serve", "--no-engine", "--config", str(self.config_path)],
+            [
+                sys.executable,
+                "-m",
+                "tokenweir.gateway.process.cli",
+                "serve",
+                "--no-engine",
+                "--config",
+                str(self.config_path),
+            ],
             cwd=self.root,
             env=self.env(),
             stdout=log,
@@ -293,7 +301,7 @@ class Stack:
         from loadtests.fake_upstream import FakeUpstream
         from tests.faults.tcp_proxy import TCPProxy
         from tests.serve_thread import ServerThread
-        from tokenweir.gateway.store import Store
+        from tokenweir.gateway.store.store import Store
 
         self.fake = FakeUpstream(model=MODEL)
         self.upstream = ServerThread(self.fake).__enter__()
@@ -354,7 +362,7 @@ class Stack:
         """Usage already in the store today (so a start-up has spend to seed into the state backend)."""
         from datetime import UTC, datetime
 
-        from tokenweir.gateway.store import UsageRow
+        from tokenweir.gateway.store.store import UsageRow
 
         day = datetime.now(UTC).strftime("%Y-%m-%d")
         self.store.record_usage([UsageRow(team.id, day, MODEL, 1, tokens, 0, 0)])

@@ -1,6 +1,6 @@
 """Fault injection against real gateway processes: the reliability contract, one test per fault.
 
-Each test runs one scenario of `tests/faults/scenarios.py` (a gateway started as `python -m gateway.cli serve`,
+Each test runs one scenario of `tests/faults/scenarios.py` (a gateway started as `python -m gateway.process.cli serve`,
 a fake upstream with exact token counters, Redis behind a TCP proxy that can be cut, a SQLite store) and asserts
 the scenario found no breach of the contract:
   - every admitted request billed exactly once: one JSONL event per request sent; the events' token sum == what

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from tokenweir.gateway.events import read_events
+from tokenweir.gateway.accounting.events import read_events
 from tokenweir.policies.limits import TeamLimits
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tests.conftest import require_service
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 
 PG_URL = os.environ.get("TOKENWEIR_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -10,7 +10,7 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_thread import ServerThread
-from tokenweir.gateway.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import orjson
 
+from tokenweir.gateway.accounting.events import FIELDS, EventWriter, read_events
 from tokenweir.gateway.config import BreakerConfig, UpstreamConfig
-from tokenweir.gateway.events import FIELDS, EventWriter, read_events
-from tokenweir.gateway.relay import sse_error
-from tokenweir.gateway.stream_chunks import ChunkFilter
-from tokenweir.gateway.upstream import Instance
+from tokenweir.gateway.request.relay import sse_error
+from tokenweir.gateway.request.stream_chunks import ChunkFilter
+from tokenweir.gateway.upstream.pools import Instance
 
 
 def chunk(content=None, usage=None, choices=True, finish=None) -> bytes:

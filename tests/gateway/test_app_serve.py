@@ -11,8 +11,8 @@ import httpx
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_process import serve_process
 from tests.serve_thread import ServerThread
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.accounting.events import read_events
+from tokenweir.gateway.store.store import Store
 
 
 def test_serve_prints_keys_and_sigterm_flushes_usage_and_events(tmp_path):

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 
-from tokenweir.gateway.auth import Authenticator, Principal, require_admin, require_key
-from tokenweir.gateway.errors import APIError, api_error_handler
-from tokenweir.gateway.services import Services
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.auth.authenticator import Authenticator, Principal, require_admin, require_key
+from tokenweir.gateway.server.errors import APIError, api_error_handler
+from tokenweir.gateway.server.services import Services
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 

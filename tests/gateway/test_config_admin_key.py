@@ -6,8 +6,8 @@ import secrets
 
 import pytest
 
-from tokenweir.gateway.bootstrap import ensure_bootstrap
-from tokenweir.gateway.store import Conflict, Store
+from tokenweir.gateway.process.bootstrap import ensure_bootstrap
+from tokenweir.gateway.store.store import Conflict, Store
 
 
 def test_env_admin_key_is_the_admin_key_once(tmp_path):

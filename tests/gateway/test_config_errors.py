@@ -24,7 +24,7 @@ WEAK = "changeme"
 def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWEIR_")}
     return subprocess.run(
-        [sys.executable, "-m", "tokenweir.gateway.cli", *args],
+        [sys.executable, "-m", "tokenweir.gateway.process.cli", *args],
         cwd=ROOT,
         env={**environ, "PYTHONPATH": str(ROOT), **(env or {})},
         capture_output=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenweir.engine.config import default_model_path
-from tokenweir.gateway.token_count import TokenCounter, estimate_tokens
+from tokenweir.gateway.openai.token_count import TokenCounter, estimate_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ SAMPLES = {
 
 def test_estimate_loads_no_tokenizer_and_no_engine():
     code = (
-        "import sys; from tokenweir.gateway.token_count import TokenCounter; c = TokenCounter(None);"
+        "import sys; from tokenweir.gateway.openai.token_count import TokenCounter; c = TokenCounter(None);"
         "n = c.count_chat([{'role': 'user', 'content': 'hello world'}]);"
         "assert not c.exact and c.tokenizer is None and n > 0, n;"
         "heavy = ('tokenweir.engine.tokenizer', 'tokenweir.engine.model', 'torch', 'gguf', 'numpy');"

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from tokenweir.gateway.dispatch_queue import DispatchQueue
+from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.policies.decisions import Rejected
 
 

@@ -16,9 +16,9 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 MODEL = "fake-model"

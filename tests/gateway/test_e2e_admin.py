@@ -11,9 +11,9 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread, serve_app
-from tokenweir.gateway.bootstrap import ensure_bootstrap
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.process.bootstrap import ensure_bootstrap
+from tokenweir.gateway.store.store import Store
 
 HELLO = [{"role": "user", "content": "hello"}]
 

@@ -17,8 +17,8 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.gateway.stack_support import events_of, team
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 from tokenweir.policies.pricing import Prices, femtos_to_usd, usd_to_femtos
 

@@ -21,9 +21,9 @@ from tests.gateway.state_support import URL
 from tests.gateway.test_key_limits import _drop_prefix, _redis_prefix
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.state_redis import RedisState
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 MODEL = "m"

@@ -13,7 +13,7 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.conftest import require_service
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

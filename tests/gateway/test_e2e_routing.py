@@ -11,9 +11,9 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import PRIORITY_BATCH, PRIORITY_CRITICAL, TeamLimits
 
 PROMPT = [1, 2, 3]

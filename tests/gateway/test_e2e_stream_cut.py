@@ -19,9 +19,9 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.gateway.stack_support import events_of, team
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.store import Store
-from tokenweir.gateway.stream_chunks import ChunkFilter
+from tokenweir.gateway.request.stream_chunks import ChunkFilter
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.store.store import Store
 
 PROMPT = [101, 102, 103, 104, 105, 106]  # token ids: the gateway's count and the upstream's agree exactly
 MAX_TOKENS = 5

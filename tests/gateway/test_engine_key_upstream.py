@@ -15,10 +15,10 @@ from tokenweir.engine.async_engine import AsyncEngine
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.server import build_app
-from tokenweir.gateway import relay
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.store import Store
-from tokenweir.gateway.upstream import Hop
+from tokenweir.gateway.request import relay
+from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.pools import Hop
 from tokenweir.policies.limits import TeamLimits
 
 KEY = "engine-key-for-the-gateway"

@@ -10,7 +10,7 @@ import orjson
 import pytest
 import structlog.testing
 
-from tokenweir.gateway import cli, serve_engines
+from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import (
     BreakerConfig,
     BundledEngineConfig,
@@ -19,9 +19,10 @@ from tokenweir.gateway.config import (
     UpstreamConfig,
     load_config,
 )
-from tokenweir.gateway.metrics import Metrics
-from tokenweir.gateway.supervisor import Child
-from tokenweir.gateway.upstream import CLOSED, OPEN, Upstreams
+from tokenweir.gateway.process import cli
+from tokenweir.gateway.process import engines as serve_engines
+from tokenweir.gateway.process.supervisor import Child
+from tokenweir.gateway.upstream.pools import CLOSED, OPEN, Upstreams
 
 
 def test_replicas_from_the_file_and_env_and_validated(tmp_path):
@@ -171,7 +172,7 @@ class _Client:
 
 
 async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
-    from tokenweir.gateway.http1 import HTTPError
+    from tokenweir.gateway.upstream.http1 import HTTPError
 
     replicas, upstreams, metrics = _replicas(tmp_path)
     e0 = upstreams.get("smollm2-135m").instances[0]

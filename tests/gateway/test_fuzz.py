@@ -28,9 +28,9 @@ from schemathesis.python import asgi as schemathesis_asgi
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread
-from tokenweir.gateway.app import create_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.server.app import create_app
+from tokenweir.gateway.store.store import Store
 
 MODEL = "fake-model"  # served by the fake as if it were our engine (text only, /abort, exact usage)
 EXTERNAL = "external-model"  # the same fake as an external OpenAI-compatible upstream (estimates, any part type)

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tokenweir.gateway.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")

@@ -1,4 +1,4 @@
-"""The in-flight journal (gateway/inflight.py) on its own: what a dead process leaves is exactly its unfinished
+"""The in-flight journal (gateway/request/inflight.py) on its own: what a dead process leaves is exactly its unfinished
 requests, whatever the file's history; and a shared state's lease is released by the id the journal keeps."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import types
 import uuid
 
 from tests.conftest import require_service
-from tokenweir.gateway.context import RequestContext
-from tokenweir.gateway.inflight import InflightJournal, read_unfinished
+from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.inflight import InflightJournal, read_unfinished
 from tokenweir.policies.reservation import Reservation
 
 HOP = types.SimpleNamespace(
@@ -77,7 +77,7 @@ def test_the_journal_stays_small_however_many_requests_pass(tmp_path):
 
 
 def test_a_request_releases_its_own_lease_by_id_not_another_ones():
-    from tokenweir.gateway.state_redis import RedisState
+    from tokenweir.gateway.state.redis import RedisState
 
     state = RedisState(prefix=f"twtest-{uuid.uuid4().hex[:8]}")
     try:

@@ -16,12 +16,12 @@ from fastapi.testclient import TestClient
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread, serve_app
-from tokenweir.gateway import body as body_parsing
-from tokenweir.gateway.admin import router as admin_router
-from tokenweir.gateway.auth import Authenticator
+from tokenweir.gateway.admin.teams import router as admin_router
+from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.services import Services
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.openai import body as body_parsing
+from tokenweir.gateway.server.services import Services
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 MODEL = "fake-model"

@@ -16,13 +16,13 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.conftest import require_service
 from tests.gateway.state_support import NOW, URL
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.accounting.events import read_events
+from tokenweir.gateway.accounting.usage import seed_key_budgets
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.state_redis import RedisState
-from tokenweir.gateway.store import Store, UsageRow
-from tokenweir.gateway.store_usage import KeyUsageRow
-from tokenweir.gateway.usage import seed_key_budgets
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.gateway.store.store import Store, UsageRow
+from tokenweir.gateway.store.usage import KeyUsageRow
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 

@@ -14,8 +14,8 @@ import pytest
 from tests.gateway import test_key_limits
 from tests.gateway.state_support import NOW, URL
 from tests.gateway.test_key_limits import admin, call, error, team_with_keys
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.metrics import Metrics
-from tokenweir.gateway.upstream import CLOSED, HALF_OPEN, OPEN, Upstreams
+from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, OPEN, Upstreams
 
 
 def _value(metrics: Metrics, name: str, **labels) -> float | None:

@@ -16,11 +16,11 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream, embedding_vector
 from tests.serve_thread import ServerThread, serve_app
-from tokenweir.gateway import stream_chunks
+from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
-from tokenweir.gateway.token_count import TokenCounter
+from tokenweir.gateway.openai.token_count import TokenCounter
+from tokenweir.gateway.request import stream_chunks
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 UPSTREAM_MODEL = "fake-model"

@@ -10,9 +10,9 @@ import pytest
 from loadtests.fake_upstream import FakeUpstream
 from tests.gateway.test_reliability import MODEL, make_team
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.events import read_events
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.store.store import Store
 
 CASES = {  # the engine's answer -> what the client gets, and how many engines saw the request
     "grammar_400": (

@@ -1,6 +1,6 @@
 """The gateway's prefix index: leading-run matches, forgetting, and its bound."""
 
-from tokenweir.gateway.prefix_index import PrefixIndex
+from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies.prefix_hash import block_hashes
 
 

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.dispatch import Dispatcher
-from tokenweir.gateway.metrics import Metrics
-from tokenweir.gateway.upstream import Upstreams, forget_evicted
+from tokenweir.gateway.request.dispatch import Dispatcher
+from tokenweir.gateway.upstream.pools import Upstreams, forget_evicted
 from tokenweir.policies.prefix_hash import block_hashes, probe
 
 TEAM = list(range(200)) + [7, 8, 9]
@@ -112,7 +112,7 @@ def test_prompt_ids_match_the_engines_own_encoding():
     hashes name the engine's cache keys."""
     pytest.importorskip("gguf")
     from tokenweir.engine.protocol import ChatCompletionRequest
-    from tokenweir.gateway.prompt_ids import _tokenizer, prompt_token_ids
+    from tokenweir.gateway.openai.prompt_ids import _tokenizer, prompt_token_ids
 
     body = {
         "model": "m",

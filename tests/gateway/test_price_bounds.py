@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from tests.gateway.test_admin_api import make_app
-from tokenweir.gateway.bootstrap import ensure_bootstrap
 from tokenweir.gateway.config import load_config
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.process.bootstrap import ensure_bootstrap
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.pricing import MAX_PRICE_PER_1M, Prices
 
 PRICE_FIELDS = ("price_input_per_1m", "price_output_per_1m", "price_cached_per_1m")

@@ -12,11 +12,11 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.serve_thread import ServerThread, serve_app
-from tokenweir.gateway.app import replay_usage
+from tokenweir.gateway.accounting.events import EventWriter, read_events, replay_after
+from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from tokenweir.gateway.events import EventWriter, read_events, replay_after
-from tokenweir.gateway.store import Store
-from tokenweir.gateway.usage import UsageRecorder
+from tokenweir.gateway.server.app import replay_usage
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
 MODEL = "m"

@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 import pytest
 
 from tests.gateway.state_support import NOW, URL, Clock
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import TeamLimits
 from tokenweir.policies.pricing import Prices, femtos_to_usd

@@ -21,10 +21,10 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.conftest import require_service
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from tokenweir.gateway.state import StateUnavailable
-from tokenweir.gateway.state_redis import RedisState
-from tokenweir.gateway.state_redis_epoch import RedisEpoch, SubjectSpend
-from tokenweir.gateway.store import Store
+from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend
+from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 URL = "redis://127.0.0.1:6379/13"

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from tests.gateway.state_support import NOW, URL, Clock
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.state_redis import RedisState
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
@@ -99,7 +99,7 @@ async def test_seed_spend_never_overwrites_live_counters(replicas):
 @pytest.mark.parametrize("keyed", [False, True], ids=["team", "team+key"])
 @pytest.mark.parametrize("seed", range(3))
 async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
-    """The window and budget arithmetic exists twice: in Lua (gateway/state_redis_lua.py, it runs inside Redis) and
+    """The window and budget arithmetic exists twice: in Lua (gateway/state/redis_lua.py, it runs inside Redis) and
     once in Python (policies.rate: SlidingWindow, slot_index, oldest_counted_slot, slot_leaves_window_s;
     policies.budget: Budget, period_bounds; views from policies.snapshot). Random traffic must get the same
     decisions, headers and counters from both, for a team alone and for a key with limits of its own under it

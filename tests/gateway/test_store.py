@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from tests.gateway.store_fixtures import open_store, pg_schema_url
-from tokenweir.gateway import keys
-from tokenweir.gateway.store import Conflict, NotFound, Store, UsageRow
-from tokenweir.gateway.store_db import DB_ERRORS, split_sql
-from tokenweir.gateway.store_usage import KeyUsageRow
+from tokenweir.gateway.auth import keys
+from tokenweir.gateway.store.db import DB_ERRORS, split_sql
+from tokenweir.gateway.store.store import Conflict, NotFound, Store, UsageRow
+from tokenweir.gateway.store.usage import KeyUsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 SCHEMA_VERSION_DDL = "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name TEXT, applied_at TEXT)"

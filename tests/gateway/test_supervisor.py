@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tokenweir.gateway.supervisor import Supervisor, consecutive_free_ports
+from tokenweir.gateway.process.supervisor import Supervisor, consecutive_free_ports
 
 
 def _cmd(code: str):
@@ -56,7 +56,7 @@ def test_consecutive_free_ports_skips_a_taken_one():
 
 SUPERVISE_AND_REPORT = """
 import asyncio, sys
-from tokenweir.gateway.supervisor import Supervisor
+from tokenweir.gateway.process.supervisor import Supervisor
 
 async def main():
     sup = Supervisor(lambda i, p: [sys.executable, "-c", "import time; time.sleep(120)"], n=2, base_port=9200)

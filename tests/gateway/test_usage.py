@@ -10,9 +10,9 @@ import time
 import pytest
 
 from tests.gateway.store_fixtures import open_store
-from tokenweir.gateway.state import InMemoryState
-from tokenweir.gateway.store import Store, UsageRow
-from tokenweir.gateway.usage import UsageRecorder, seed_key_budgets
+from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.store.store import Store, UsageRow
 from tokenweir.policies.pricing import Prices, femtos_to_usd
 
 

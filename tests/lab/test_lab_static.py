@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -39,12 +40,12 @@ def flags_of(cmd: list[str]) -> set[str]:
 
 
 def check_tokenweir_cmd(cmd: list[str], where: str) -> None:
-    """`tokenweir engine ...` / `tokenweir serve ...` (or python -m engine.server / gateway.cli serve)."""
+    """`tokenweir engine ...` / `tokenweir serve ...` (or python -m engine.server / gateway.process.cli serve)."""
     if cmd[:2] == ["tokenweir", "engine"] or "tokenweir.engine.server" in cmd:
         known = help_flags("tokenweir.engine.server")
-    elif cmd[:2] == ["tokenweir", "serve"] or "tokenweir.gateway.cli" in cmd:
+    elif cmd[:2] == ["tokenweir", "serve"] or "tokenweir.gateway.process.cli" in cmd:
         assert "serve" in cmd, f"{where}: {cmd}"
-        known = help_flags("tokenweir.gateway.cli", "serve")
+        known = help_flags("tokenweir.gateway.process.cli", "serve")
     else:
         raise AssertionError(f"{where}: not a tokenweir command: {cmd}")
     unknown = flags_of(cmd) - known
@@ -156,6 +157,9 @@ def test_dockerfile_cmds_and_rules():
         cmd = json.loads(re.search(r"^CMD (\[.*\])$", stage, re.M).group(1))
         check_tokenweir_cmd(cmd, f"Dockerfile {target}")
     assert "/livez" in by_target["gateway"] and "/health" in by_target["engine"]
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in package_dirs.values():  # pip install . in the image needs every folder the package is made of
+        assert f"COPY {folder} {folder}\n" in text, f"Dockerfile: COPY {folder}"
     assert "torch" not in by_target["gateway"], "the gateway image has no torch"
     assert (
         "TORCH_VERSION=2.13.0" in by_target["engine"] and "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text

@@ -3,7 +3,7 @@ strategies."""
 
 import pytest
 
-from tokenweir.gateway.prefix_index import PrefixIndex
+from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies.prefix_hash import block_hashes
 from tokenweir.policies.routing import Candidate, RouteParams, rank
 

@@ -1,0 +1,1 @@
+"""What was served: the JSONL event log, usage rows, Prometheus metrics."""

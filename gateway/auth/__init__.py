@@ -1,0 +1,1 @@
+"""Who is calling: API keys (hashed) and the principal a request runs as."""

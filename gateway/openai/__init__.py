@@ -1,0 +1,1 @@
+"""The OpenAI wire format: request schemas, body parsing, prompt token ids and exact token counts."""

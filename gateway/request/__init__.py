@@ -1,0 +1,1 @@
+"""One request in order: its context, admission, the dispatch queue, dispatch, relay, settle."""

@@ -1,0 +1,279 @@
+"""Admission: the request path's steps, in order, for one request:
+
+    new_context -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch
+
+Every step either passes or raises an APIError whose `code` is the event's `reason`. The RequestContext is made by
+gateway/request/context.py, prompts are counted by gateway/openai/token_count.py; what comes after admission lives in
+gateway/request/dispatch.py (hops, failover, relay) and gateway/request/settle.py (the one `finish` per request:
+slots back, bill, event). A client that leaves cancels the handler; whatever a cancelled state call took is given
+back (Settler.take).
+
+While the shared state is unreachable, reserving answers 503 `state_unavailable` (fail closed), or, with
+`state.on_unavailable: fail_open`, admits under this replica's own in-process limits and writes their spend to
+the shared state when it returns (through the outbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tokenweir.gateway.accounting.events import EventWriter
+from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
+from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.context import RequestContext, request_scope
+from tokenweir.gateway.request.disconnect import wait_disconnect
+from tokenweir.gateway.request.dispatch import Dispatcher
+from tokenweir.gateway.request.settle import Settler
+from tokenweir.gateway.server.errors import APIError
+from tokenweir.gateway.state.memory import InMemoryState, StateBackend, StateUnavailable
+from tokenweir.gateway.state.outbox import StateOutbox
+from tokenweir.gateway.upstream.http1 import HTTP1Pool
+from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.policies.caps import apply_caps
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.pricing import max_cost_over
+
+log = get_logger()
+
+# The fields that bound a choice's length, per endpoint, as upstreams read them: chat takes either (vLLM and our
+# engine prefer max_completion_tokens, older servers read max_tokens only); completions reads max_tokens only.
+_LENGTH_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",)}
+
+
+class Admission:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        upstreams: Upstreams,
+        state: StateBackend,
+        queues: dict,
+        client: HTTP1Pool,
+        events: EventWriter,
+        metrics: Metrics,
+        usage,
+        outbox: StateOutbox | None = None,
+    ) -> None:
+        self.config, self.upstreams, self.state, self.queues = config, upstreams, state, queues
+        # fail_open: while the shared state is away, admit under this replica's own counters
+        self.local = InMemoryState() if config.state.on_unavailable == "fail_open" else None
+        self.state_ready = True  # False until start-up has seeded the shared state's budgets
+        self.counters = TokenCounters(lambda: list(upstreams.pools), lambda m: upstreams.pools[m].cfg.tokenizer)
+        self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
+        self.settler = Settler(
+            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counters
+        )
+        self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
+
+    async def handle(self, request: Request, principal, body: dict, kind: str) -> Response:
+        ctx = self.new_context(request, principal, body, kind)
+        request_scope(request).accounted = True  # finish() writes this request's event, whatever happens next
+        # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
+        task = asyncio.current_task()
+        watch = asyncio.ensure_future(wait_disconnect(request.receive))
+        watch.add_done_callback(lambda t: ctx.watching and not t.cancelled() and task.cancel())
+        handed_off = False
+        try:
+            self.check_model(ctx)
+            self.count_prompt(ctx)
+            self.apply_caps(ctx)
+            await self.reserve(ctx)
+            await self.take_slot(ctx)
+            await self.enter_queue(ctx)
+            response = await self.dispatcher.dispatch(ctx)
+            handed_off = isinstance(response, relay.StreamResponse)
+            return response
+        except APIError as e:
+            if ctx.status == "ok":
+                ctx.status = "rejected" if not ctx.route else "error"  # shed before any upstream saw it
+            ctx.reason, ctx.http_status = ctx.reason or e.code, e.status
+            raise
+        except asyncio.CancelledError:
+            ctx.incomplete = ctx.incomplete or ctx.hop is not None
+            ctx.status, ctx.http_status, ctx.disconnected = "cancelled", 499, True
+            if not (watch.done() and not watch.cancelled()):
+                ctx.reason, ctx.http_status, ctx.disconnected = "shutdown", 503, False
+                raise  # not the client leaving: the server is shutting down past its grace
+            task.uncancel()
+            ctx.reason = "client_disconnected"
+            return Response(status_code=499)
+        except Exception:
+            ctx.status, ctx.reason, ctx.http_status = "error", "internal_error", 500
+            ctx.incomplete = ctx.incomplete or ctx.hop is not None
+            raise
+        finally:
+            ctx.watching = False
+            watch.cancel()
+            if not handed_off:
+                await relay.shielded(self.settler.finish(ctx))
+
+    def new_context(self, request: Request, principal, body: dict, kind: str) -> RequestContext:
+        if principal.team is None:
+            raise APIError(
+                403, "This key belongs to no team (admin keys manage the gateway); use a team key.", "no_team"
+            )
+        self.seen_teams.add(principal.team.id)
+        return RequestContext.admitted(request_scope(request).request_id, principal, body, kind)
+
+    def check_model(self, ctx: RequestContext) -> None:
+        if ctx.model not in self.upstreams.pools:
+            raise APIError(
+                404,
+                f"The model '{ctx.model}' does not exist or you do not have access to it.",
+                "model_not_found",
+                param="model",
+            )
+        if not ctx.limits.allows_model(ctx.model):
+            raise APIError(403, f"Your team may not use the model '{ctx.model}'.", "model_not_allowed", param="model")
+        if ctx.key_limits is not None and not ctx.key_limits.allows_model(ctx.model):
+            raise APIError(
+                403, f"This API key may not use the model '{ctx.model}'.", "model_not_allowed", param="model"
+            )
+        if ctx.kind == "embeddings" and not self.upstreams.pools[ctx.model].serves_embeddings:
+            raise APIError(
+                400,
+                f"The model '{ctx.model}' does not serve embeddings; use /v1/embeddings with an embedding model.",
+                "model_not_supported",
+                param="model",
+            )
+
+    def count_prompt(self, ctx: RequestContext) -> None:
+        counter = self.counters(ctx.model)
+        if ctx.kind != "chat":  # an embeddings input has a completion prompt's shapes, and is counted the same
+            counts = counter.count_prompts(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
+            ctx.prompt_tokens, ctx.longest_prompt = sum(counts), max(counts)
+            ctx.prompts = len(counts) if ctx.kind == "completions" else 1
+            return
+        pool = self.upstreams.pools[ctx.model].cfg
+        # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
+        part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
+        try:
+            ctx.prompt_tokens = ctx.longest_prompt = counter.count_chat(ctx.body["messages"], part_tokens)
+        except UnsupportedContent as e:
+            raise APIError(
+                400,
+                f"The model '{ctx.model}' takes text only: content part type '{e.part_type}' is not supported.",
+                "unsupported_content",
+                param=e.param,
+            ) from None
+
+    def apply_caps(self, ctx: RequestContext) -> None:
+        body = ctx.body
+        if ctx.kind == "embeddings":  # input only: the team's prompt cap applies, nothing is generated
+            cap = apply_caps(ctx.prompt_tokens, None, max_prompt_tokens=ctx.limits.max_prompt_tokens)
+            if not cap.ok:
+                ctx.reason = cap.error.reason
+                raise APIError(400, cap.error.message.replace("messages", "input"), "context_length_exceeded", "input")
+            ctx.max_tokens = 0
+            return
+        # The bounds the upstream honours on this endpoint (the schemas typed them; /v1/completions refused
+        # max_completion_tokens): the tightest one bounds the reservation.
+        bounds = [k for k in _LENGTH_FIELDS[ctx.kind] if body.get(k) is not None]
+        requested = min((body[k] for k in bounds), default=None)
+        pool = self.upstreams.pools[ctx.model].cfg
+        cap = apply_caps(
+            ctx.prompt_tokens,
+            requested,
+            max_prompt_tokens=ctx.limits.max_prompt_tokens,
+            max_output_tokens=ctx.limits.max_output_tokens,
+            context_window=pool.max_context,
+            longest_prompt_tokens=ctx.longest_prompt,
+        )
+        if not cap.ok:
+            ctx.reason = cap.error.reason  # "too_long" in the event; OpenAI's code for the client
+            raise APIError(400, cap.error.message, "context_length_exceeded", param=cap.error.param)
+        max_tokens = cap.max_tokens
+        if requested is None and ctx.limits.max_output_tokens is None:
+            # Nothing but the context bounds it: reserve the gateway default, not the whole context window.
+            max_tokens = min(max_tokens or self.config.default_max_tokens, self.config.default_max_tokens)
+        per_choice = max_tokens or self.config.default_max_tokens
+        # The upstream must never make more than we reserved for: every bound it was sent says max_tokens per
+        # choice (whichever field it reads), and every choice it generates is reserved: n per prompt, or best_of
+        # (generated and billed, though n are returned), for each prompt of a batch. Echo adds no output: the
+        # echoed prompt is billed as prompt tokens (OpenAI, vLLM).
+        for key in bounds or ("max_tokens",):
+            body[key] = per_choice
+        ctx.choices = ctx.prompts * max(body.get("n") or 1, body.get("best_of") or 1)
+        ctx.max_tokens = per_choice * ctx.choices
+
+    async def reserve(self, ctx: RequestContext) -> None:
+        # Any hop of the route plan may serve it (the pool's own instances, then its fallbacks'), and the bill is at
+        # the serving pool's prices: hold the dearest, or a cheap primary that is down lets a budget be overrun.
+        pools = self.upstreams.pools
+        plan = [ctx.model, *pools[ctx.model].cfg.fallbacks]
+        if ctx.kind == "embeddings":  # as dispatch routes them: a fallback that serves no embeddings is no hop
+            plan = [m for m in plan if m == ctx.model or pools[m].serves_embeddings]
+        ctx.cost_reserved = max_cost_over((pools[m].cfg.prices for m in plan), ctx.prompt_tokens, ctx.max_tokens)
+        # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits is counted
+        # too, so a limit set later applies to what it spent.
+        key = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
+        try:
+            try:
+                if not self.state_ready:
+                    raise StateUnavailable("the shared state is not seeded yet")
+                reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
+                ctx.reservation = await self.settler.take(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
+            except StateUnavailable as e:
+                self.settler.defer(e)
+                if self.local is None:
+                    raise self.state_unavailable(e) from None
+                log.warning("state_unavailable_fail_open", error=str(e))
+                ctx.local_state = True
+                local = self.local.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
+                ctx.reservation = await local
+        except Rejected as r:
+            raise _api_error(r) from None
+        self.settler.journal.reserved(ctx)  # a restart after this process dies settles it (gateway/request/inflight.py)
+
+    def state_unavailable(self, err: Exception) -> APIError:
+        log.warning("state_unavailable", error=str(err))
+        retry = self.config.state.retry_after_s
+        return APIError(
+            503,
+            f"The gateway cannot reach its shared limits state; retry in {retry}s.",
+            "state_unavailable",
+            headers={"retry-after": str(retry)},
+        )
+
+    async def take_slot(self, ctx: RequestContext) -> None:
+        state = self.local if ctx.local_state else self.state
+        key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
+        key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
+        try:
+            # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
+            lease = {"key_id": key_id, "lease_id": uuid.uuid4().hex}
+            self.settler.journal.slot(ctx, **lease)
+            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_max=key_max, **lease)
+            got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, **lease), ctx)
+        except StateUnavailable as e:
+            self.settler.defer(e)
+            raise self.state_unavailable(e) from None
+        if not got:
+            team_max = ctx.limits.max_concurrency
+            whose = "this API key" if key_max is not None and (team_max is None or key_max <= team_max) else "your team"
+            most = key_max if whose == "this API key" else team_max
+            raise APIError(
+                429,
+                f"Too many requests in flight: {whose} may run {most} at once. Retry when one finishes.",
+                "concurrency",
+                headers={"retry-after": "1"},
+            )
+        ctx.slot, ctx.slot_key_id, ctx.slot_lease = True, key_id, lease["lease_id"]
+
+    async def enter_queue(self, ctx: RequestContext) -> None:
+        timeout = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s
+        try:
+            ctx.ticket = await self.queues[ctx.model].acquire(ctx.team_id, ctx.priority, ctx.limits.weight, timeout)
+        except Rejected as r:
+            raise _api_error(r) from None
+        ctx.queue_s = ctx.ticket.queue_s
+
+
+def _api_error(r: Rejected) -> APIError:
+    return APIError(r.status, r.message, r.reason, headers=r.headers)

@@ -1,0 +1,286 @@
+"""Dispatch: try the route plan's hops in order (the pool's instances as its route strategy ranks them, then each
+fallback pool's) until one answers; a hop that fails before the first byte passes to the next and counts against its
+instance's circuit. Non-stream calls and streams (first token under the TTFT deadline, then relayed chunk by
+chunk under the total deadline) go through gateway/request/relay.py; what they made is settled by
+gateway/request/settle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi.responses import Response
+
+from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
+from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.settle import Settler
+from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
+from tokenweir.gateway.server.errors import APIError
+from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.upstream.pools import Hop, Upstreams
+
+# The upstream path of each kind of request (the same as the client's).
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
+
+class Dispatcher:
+    def __init__(
+        self, config: GatewayConfig, upstreams: Upstreams, client: HTTP1Pool, metrics: Metrics, settler: Settler
+    ) -> None:
+        self.config, self.upstreams, self.client, self.metrics, self.settler = (
+            config,
+            upstreams,
+            client,
+            metrics,
+            settler,
+        )
+
+    def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
+        """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
+        prompt's block hashes for the prefix index."""
+        pool = self.upstreams.pools[ctx.model]
+        token_ids = None
+        if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
+            token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
+        hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
+        if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
+            hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
+        ctx.route_reason = why.as_dict()
+        self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()
+        if why.reason.startswith("prefix_"):  # the prompt's hashes were looked up (not a fallback to load)
+            self.metrics.routing_prefix_hit_blocks.labels(ctx.model).observe(why.hit_blocks)
+        return hops, hashes
+
+    async def dispatch(self, ctx: RequestContext) -> Response:
+        hops, hashes = self.route(ctx)
+        last = "every instance's circuit is open"
+        for hop in hops:
+            ctx.route.append(hop.label)
+            ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
+            ctx.served_model = hop.model
+            ctx.upstream_id = "tw-" + uuid.uuid4().hex
+            self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
+            hop.instance.take(time.monotonic())
+            self.upstreams.record(hop, hashes)
+            self.metrics.in_flight.labels(ctx.model).inc()
+            try:
+                if ctx.stream:
+                    return await self.open_stream(ctx, hop)
+                return await self.call(ctx, hop)
+            except relay.UpstreamFailed as e:
+                last, ctx.incomplete = str(e), False
+                if hop.instance.cfg.engine:
+                    # The request may have reached the engine (a stream that failed before its first token, a
+                    # connection lost after sending): stop it and keep what it counted, so the bill still
+                    # matches the engine's counters.
+                    answer = await relay.abort(self.client, hop, ctx.upstream_id)
+                    usage = (answer or {}).get("usage") or {}
+                    ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                    ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
+                ctx.chunks = None  # its usage, if any, is in `spilled` now
+                self.settler.release_hop(ctx, ok=False)
+                await self.settler.close_stream(ctx)
+            except relay.UpstreamRejected as e:
+                ctx.incomplete = False
+                # Refused before running: nothing was made. An engine may have failed the request part-way (a
+                # grammar it could not follow): it counted what it made, and the bill says the same.
+                ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+                if hop.instance.cfg.engine:
+                    usage = ((await relay.abort(self.client, hop, ctx.upstream_id)) or {}).get("usage") or {}
+                    ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+                    ctx.usage_source = "engine_abort"
+                ctx.chunks = None
+                await self.settler.close_stream(ctx)
+                ctx.status, ctx.reason, ctx.http_status = "error", "upstream_rejected", e.status
+                return Response(e.body, e.status, media_type="application/json")
+        ctx.reason = "upstream_unavailable"
+        raise APIError(
+            503,
+            f"No upstream could serve '{ctx.model}' ({last}). Retry shortly.",
+            "upstream_unavailable",
+            headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
+        )
+
+    def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
+        pool, t = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        ttft = _tightest(ctx.limits.ttft_timeout_s, pool.ttft_timeout_s) or t.ttft_s
+        total = _tightest(ctx.limits.total_timeout_s, pool.total_timeout_s) or t.total_s
+        return ttft, total
+
+    def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
+        """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
+        be routed around, but a team's tighter limit says nothing about the instance other teams share."""
+        pool, defaults = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        team_limit = getattr(ctx.limits, f"{kind}_timeout_s")
+        pool_limit = getattr(pool, f"{kind}_timeout_s") or getattr(defaults, f"{kind}_s")
+        return not team_limit or team_limit >= pool_limit
+
+    def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
+        if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
+            return {**ctx.body, "priority": ctx.priority}
+        return ctx.body
+
+    async def call(self, ctx: RequestContext, hop: Hop) -> Response:
+        _, total = self.timeouts(ctx)
+        ctx.incomplete = hop.instance.cfg.engine
+        body = self.upstream_body(ctx, hop)
+        try:
+            obj, raw = await relay.call_json(
+                self.client, hop, PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
+            )
+        except TimeoutError:
+            ctx.status, ctx.reason = "timeout", "timeout"
+            ctx.instance_ok = not self.instance_too_slow(ctx, "total")
+            raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
+        finally:
+            ctx.upstream_end = time.perf_counter()
+        ctx.incomplete = False
+        ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
+        ctx.usage = obj.get("usage")
+        if not ctx.usage:
+            ctx.usage, ctx.usage_source = self.estimated_usage(ctx, obj), "estimate_text"
+        choices = obj.get("choices") or [{}]
+        ctx.finish_reason = choices[0].get("finish_reason")
+        return Response(raw, 200, headers=_rate_headers(ctx), media_type="application/json")
+
+    def estimated_usage(self, ctx: RequestContext, answer: dict) -> dict:
+        """An upstream that reported no usage: the prompt as admission counted it, the output as the text of every
+        choice counts (the same documented estimate as a stream cut off before its usage)."""
+        text = generated_text(answer)
+        completion = self.settler.counter(ctx.model).count_text(text) if text else 0
+        return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion}
+
+    async def open_stream(self, ctx: RequestContext, hop: Hop) -> Response:
+        loop = asyncio.get_running_loop()
+        ttft, total = self.timeouts(ctx)
+        first_deadline = min(loop.time() + ttft, ctx.deadline_base + total)
+        ctx.incomplete = hop.instance.cfg.engine
+        per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
+        chunks = ctx.chunks = ChunkFilter(
+            ctx.client_usage,
+            ctx.client_continuous,
+            not hop.instance.cfg.engine,
+            time.perf_counter,
+            per_choice,
+            ctx.choices,
+        )
+        first: list[bytes] = []
+        try:
+            ctx.sse = await relay.open_stream(
+                self.client, hop, PATHS[ctx.kind], self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
+            )
+            while chunks.first_token_at is None and not chunks.done:
+                data = await ctx.sse.next(first_deadline)
+                if data is None:
+                    raise relay.failed(hop, "the stream ended before its first event")
+                out = chunks.process(data)
+                if chunks.error is not None:
+                    why = chunks.error.get("message")
+                    raise relay.request_fault(hop, chunks.error) or relay.failed(hop, "an error event", why)
+                if out is not None:
+                    first.append(out)
+        except TimeoutError:
+            ctx.status, ctx.reason = "timeout", "timeout"
+            first_token = loop.time() < ctx.deadline_base + total
+            which, limit = ("first token", ttft) if first_token else ("response", total)
+            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
+            raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
+        except HTTPError as e:
+            raise relay.failed(hop, "connection failed", e) from e
+        ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
+        deadline = ctx.deadline_base + total
+
+        async def pump(send) -> bool:
+            return await self.pump(ctx, first, deadline, send)
+
+        async def done(disconnected: bool, shutdown: bool) -> None:
+            ctx.disconnected = ctx.disconnected or disconnected
+            if disconnected and ctx.status == "ok":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "client_disconnected", 499, True
+            elif shutdown and ctx.status == "ok":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "shutdown", 503, True
+            await self.settler.finish(ctx)
+
+        return relay.StreamResponse(pump, done, _rate_headers(ctx))
+
+    async def pump(self, ctx: RequestContext, first: list[bytes], deadline: float, send) -> bool:
+        """Relay the rest of the stream. False if the client went away (a send failed)."""
+        chunks, sse = ctx.chunks, ctx.sse
+        tail = b""
+        try:
+            await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
+            pending: list[bytes] = []  # events that arrived together leave together: one write, not several
+            try:
+                async with asyncio.timeout_at(deadline):  # one timer for the whole stream, not one per chunk
+                    while not chunks.done and not chunks.cut_off:
+                        data = await sse.next()
+                        if data is None:
+                            break
+                        out = chunks.process(data)
+                        if out is not None:
+                            pending.append(out)
+                        if pending and not sse.buffered and not chunks.done and not chunks.cut_off:
+                            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+                            pending.clear()
+            except TimeoutError:
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "timeout", "timeout", 504, True
+                tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
+            except HTTPError as e:  # the upstream connection broke mid-body
+                ctx.hop.error = f"{ctx.hop.where}: {e}"
+            if chunks.cut_off and ctx.status == "ok":
+                pending.append(await self.cut_at_reservation(ctx))
+            if chunks.done:
+                ctx.incomplete = False
+            elif ctx.status != "timeout":
+                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "error", "upstream_broken", 502, True
+                ctx.instance_ok = False
+                tail = relay.sse_error(
+                    f"The upstream stream broke off ({ctx.hop.label}); the response is incomplete.",
+                    "upstream_broken",
+                    "upstream_error",
+                )
+            ctx.upstream_end = time.perf_counter()
+            await send({"type": "http.response.body", "body": b"".join(pending) + tail, "more_body": False})
+            return True
+        except OSError:
+            return False
+
+    async def cut_at_reservation(self, ctx: RequestContext) -> bytes:
+        """The upstream went past the max_tokens it was sent (the reservation): read nothing more of it, close its
+        stream and stop an engine (whose answer is the exact count made). The bill is the upstream's own usage if
+        any came, else what was relayed, counted as a stream without usage is (each delta at least one token); the
+        client gets the same usage, if it asked for it, then [DONE]. Returns those last events."""
+        chunks, hop = ctx.chunks, ctx.hop
+        ctx.reason, ctx.finish_reason = "output_cut", "length"
+        sse, ctx.sse = ctx.sse, None
+        await sse.aclose()
+        if hop.instance.cfg.engine:  # still `incomplete`: a client gone during the abort gets one from finish
+            answer = await relay.abort(self.client, hop, ctx.upstream_id)
+            ctx.incomplete = False
+            if answer and answer.get("usage"):
+                ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
+        if not ctx.usage and chunks.usage:
+            ctx.usage, ctx.usage_source = chunks.usage, "upstream"
+        if not ctx.usage:
+            text = "".join(chunks.text)
+            counted = self.settler.counter(ctx.model).count_text(text) if text else 0
+            completion = max(counted, sum(chunks.relayed.values()))
+            total = ctx.prompt_tokens + completion
+            ctx.usage = {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion, "total_tokens": total}
+            ctx.usage_source = "estimate_text"
+        return chunks.ending(ctx.usage if ctx.client_usage else None)
+
+
+def _rate_headers(ctx: RequestContext) -> dict[str, str]:
+    """x-ratelimit-* as of the reservation, on successful responses too (as OpenAI sends them)."""
+    return dict(getattr(ctx.reservation, "headers", None) or {})
+
+
+def _tightest(*values: float | None) -> float | None:
+    present = [v for v in values if v]
+    return min(present) if present else None

@@ -1,0 +1,281 @@
+"""Talking to one upstream hop over HTTP: non-stream calls, SSE streams, and the engine's /abort.
+
+One shared keep-alive pool (`gateway.upstream.http1`, a lean HTTP/1.1 client: httpx cost more CPU than the rest of
+the gateway on this path). Failures before the first byte raise `UpstreamFailed` (the caller
+tries the next hop) or `UpstreamRejected` (a 4xx: the client's fault, passed through). Deadlines are
+`loop.time()` instants applied with `asyncio.timeout_at`, so one deadline covers connect, headers and body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+from starlette.responses import Response
+
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.request.disconnect import wait_disconnect
+from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError, request_json
+from tokenweir.gateway.upstream.http1 import Response as UpstreamResponse
+from tokenweir.gateway.upstream.pools import Hop
+
+log = get_logger()
+
+
+class UpstreamFailed(Exception):
+    """The hop failed before any byte reached the client (connection error, 5xx): try the next hop.
+
+    Its text is what a tenant may read (the hop's pool and instance name, what went wrong); `detail` adds what only
+    the operator may: the instance's address and the connection error (the log, the request's event)."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message
+
+
+def failed(hop: Hop, reason: str, cause: object = None) -> UpstreamFailed:
+    """The hop failed: logged in full now (a retried hop leaves no other trace of why), remembered on the hop for
+    the request's event, raised to the tenant as `reason` only (`cause` names addresses)."""
+    detail = f"{hop.where}: {cause or reason}"
+    hop.error = detail
+    log.warning("upstream_failed", upstream=hop.label, base_url=hop.instance.cfg.base_url, error=str(cause or reason))
+    return UpstreamFailed(f"{hop.label}: {reason}", detail)
+
+
+class UpstreamRejected(Exception):
+    """The upstream refused the request (4xx): the client's input, not the instance, is at fault."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status, self.body = status, body
+
+
+# Engine error codes that end a request it was running: the request may be the cause (a poison input), so it goes to
+# no other instance, where it could do the same.
+REQUEST_FAULT_CODES = frozenset({"request_failed", "engine_loop_died"})
+
+
+def request_fault(hop: Hop, error: object) -> UpstreamRejected | None:
+    """An engine's error (a JSON body's or a stream's error event) that the request caused or may have caused, as
+    what the client gets instead of a retry on the next hop: the engine's own 4xx, or a 502 for a failure inside it.
+    None for any other error (the instance's: the next hop may serve the request)."""
+    if not hop.instance.cfg.engine or not isinstance(error, dict):
+        return None
+    if error.get("code") in REQUEST_FAULT_CODES:
+        message = (
+            f"{hop.label} failed while serving this request ({error.get('message')}); it is not retried on another "
+            "instance, since the request itself may be the cause."
+        )
+        error = {"message": message, "type": "upstream_error", "param": None, "code": "upstream_request_failed"}
+        return UpstreamRejected(502, orjson.dumps({"error": error}))
+    if error.get("type") == "invalid_request_error":
+        return UpstreamRejected(400, orjson.dumps({"error": error}))
+    return None
+
+
+def _error_of(raw: bytes) -> object:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("error") if isinstance(obj, dict) else None
+
+
+def failure_reason(status: int) -> str:
+    """A status that is the instance's failure, not the client's: a 5xx, a 429, or a 401 (the tenant's key never
+    goes upstream: a refused key is the gateway's, a configuration fault)."""
+    if status == 401:
+        return "HTTP 401: the instance refused the gateway's API key"
+    return f"HTTP {status}"
+
+
+def make_client(connect_s: float = 5.0) -> HTTP1Pool:
+    # No read timeout of its own: our deadlines bound reads (a long stream may pause between tokens).
+    return HTTP1Pool(connect_timeout_s=connect_s)
+
+
+def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tuple[str, bytes, dict]:
+    """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk."""
+    inst = hop.instance
+    out = dict(body)
+    out["model"] = inst.upstream_model(hop.model)
+    if stream:
+        opts = {"include_usage": True}
+        if inst.cfg.engine:
+            opts["continuous_usage_stats"] = True
+        out["stream_options"] = opts
+    headers = {"content-type": "application/json", "x-request-id": request_id, **inst.auth_headers()}
+    return inst.cfg.base_url, orjson.dumps(out), headers
+
+
+async def call_json(client: HTTP1Pool, hop: Hop, path: str, body: dict, request_id: str, deadline: float):
+    """Non-stream request -> (parsed JSON, raw body). TimeoutError past the deadline."""
+    base, content, headers = upstream_request(hop, body, request_id, stream=False)
+    async with asyncio.timeout_at(deadline):
+        try:
+            r = await client.request("POST", base + path, content, headers)
+            try:
+                raw = await r.read()
+            finally:
+                await r.aclose()
+        except HTTPError as e:
+            raise failed(hop, "connection failed", e) from e
+    if r.status_code >= 500 or r.status_code == 429 or r.status_code == 401:
+        raise request_fault(hop, _error_of(raw)) or failed(hop, failure_reason(r.status_code))
+    if r.status_code != 200:
+        raise UpstreamRejected(r.status_code, raw)
+    try:
+        return orjson.loads(raw), raw
+    except orjson.JSONDecodeError as e:
+        raise failed(hop, "invalid JSON body") from e
+
+
+class SSEStream:
+    """An open upstream SSE response, read event by event (each `data:` payload as bytes)."""
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self.response = response
+        self._raw = response.aiter_raw()
+        self._buf = b""
+        self._events: list[bytes] = []
+
+    async def next(self, deadline: float | None = None) -> bytes | None:
+        """The next data payload, None at the end of the body. TimeoutError past the deadline (if given)."""
+        while not self._events:
+            try:
+                if deadline is None:  # the caller holds one timeout around its whole loop (cheaper per chunk)
+                    chunk = await anext(self._raw)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(self._raw)
+            except StopAsyncIteration:
+                return None
+            self._buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+            *complete, self._buf = self._buf.split(b"\n\n")
+            for event in complete:
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        self._events.append(line[5:].strip())
+        return self._events.pop(0)
+
+    @property
+    def buffered(self) -> bool:
+        """Events already read and waiting: the relay can send them in one write."""
+        return bool(self._events)
+
+    async def drain(self, timeout_s: float = 1.0) -> None:
+        """Consume what is left after [DONE] (usually just the chunked-encoding terminator)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self._raw:
+                    pass
+        except (TimeoutError, HTTPError):
+            pass
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+async def open_stream(
+    client: HTTP1Pool, hop: Hop, path: str, body: dict, request_id: str, deadline: float
+) -> SSEStream:
+    """Send a stream request and wait for a 200 and its headers."""
+    base, content, headers = upstream_request(hop, body, request_id, stream=True)
+    async with asyncio.timeout_at(deadline):
+        try:
+            response = await client.request("POST", base + path, content, headers)
+        except HTTPError as e:
+            raise failed(hop, "connection failed", e) from e
+        if response.status_code != 200:
+            try:
+                data = await response.read()
+            except HTTPError:
+                data = b""
+            finally:
+                await response.aclose()
+            if response.status_code >= 500 or response.status_code == 429 or response.status_code == 401:
+                raise request_fault(hop, _error_of(data)) or failed(hop, failure_reason(response.status_code))
+            raise UpstreamRejected(response.status_code, data)
+    return SSEStream(response)
+
+
+async def abort(client: HTTP1Pool, hop: Hop, request_id: str) -> dict | None:
+    """Tell our engine to stop `request_id`; its answer carries the exact usage made. None if it cannot say."""
+    headers = {"content-type": "application/json", **hop.instance.auth_headers()}
+    body = orjson.dumps({"request_id": request_id})
+    return await request_json(client, "POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
+
+
+def sse_error(message: str, code: str, type_: str = "server_error") -> bytes:
+    """The last events of a stream that failed after its first byte: an error object, then [DONE]."""
+    err = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+
+
+class StreamResponse(Response):
+    """ASGI response for a relayed SSE stream that notices the client leaving.
+
+    `pump(send)` writes the events in this task; a watcher reads `receive` for http.disconnect and cancels it
+    when the client goes. `on_done(disconnected, shutdown)` always runs last (shielded): abort, settle and
+    account there.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pump, on_done, headers: dict[str, str]) -> None:
+        self.pump, self.on_done = pump, on_done
+        self.raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
+        self.raw_headers += [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        disconnected, shutdown, watching = False, False, True
+        task = asyncio.current_task()
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            disconnected = not await self.pump(send)  # False: a send failed, the client is gone
+        except OSError:
+            disconnected = True
+        except asyncio.CancelledError:
+            if watch.done() and not watch.cancelled():
+                task.uncancel()
+                disconnected = True
+            else:  # the server is shutting down past its grace: end the stream properly, then go
+                shutdown = True
+                with contextlib.suppress(Exception):
+                    tail = sse_error("The server is shutting down; retry.", "shutting_down", "service_unavailable")
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+                raise
+        finally:
+            watching = False
+            watch.cancel()
+            await shielded(self.on_done(disconnected, shutdown))
+
+
+_background: set[asyncio.Task] = set()
+
+
+def spawn(coro) -> asyncio.Task:
+    """A task that shutdown waits for (`wait_background`)."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)  # a strong reference until it ends, so a cancelled caller cannot orphan it to the GC
+    task.add_done_callback(_background.discard)
+    return task
+
+
+async def shielded(coro):
+    """Run `coro` to completion even if the caller is cancelled meanwhile (the caller still sees the cancel)."""
+    return await asyncio.shield(spawn(coro))
+
+
+async def wait_background(timeout_s: float = 10.0) -> None:
+    """Shutdown: let requests cut by the server's grace timeout finish settling before usage and events flush
+    (uvicorn cancels handler tasks and goes straight on to the lifespan exit)."""
+    for _ in range(3):
+        await asyncio.sleep(0)  # handlers cancelled just now reach their `finally` and start settling
+    if _background:
+        await asyncio.wait(set(_background), timeout=timeout_s)

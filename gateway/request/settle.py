@@ -1,0 +1,354 @@
+"""The end of every request: stop the upstream if it may still run, give back every slot and the unused
+reservation, bill what was made, and write the one JSONL event (gateway/accounting/events.py) with its metrics. `take`
+is the giving back's other half: what a state call takes for a request the client then leaves is given back too.
+
+`finish` runs exactly once per request (shielded from cancellation; for streams when the stream ends). Each step
+has its own guard, so one that raises never skips the ones after it; a settle or a slot release the shared state
+cannot take now goes to the outbox (gateway/state/outbox.py) and is replayed when it can. The event is written before
+the usage row is counted: it is the write-ahead record that start-up replays after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+
+from tokenweir.gateway.accounting.events import EventWriter
+from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.openai.token_count import TokenCounter
+from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.context import RequestContext, clip, request_scope
+from tokenweir.gateway.request.inflight import InflightJournal, journal_path
+from tokenweir.gateway.server.errors import APIError
+from tokenweir.gateway.state.memory import StateBackend, StateUnavailable
+from tokenweir.gateway.state.outbox import StateOutbox
+from tokenweir.gateway.upstream.http1 import HTTP1Pool
+from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.policies.budget import day_key
+from tokenweir.policies.pricing import femtos_to_usd
+
+log = get_logger()
+
+T = TypeVar("T")
+
+
+class Settler:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        state: StateBackend,
+        local: StateBackend | None,
+        queues: dict,
+        client: HTTP1Pool,
+        events: EventWriter,
+        metrics: Metrics,
+        usage,
+        outbox: StateOutbox | None,
+        counter: Callable[[str], TokenCounter],
+        journal: InflightJournal | None = None,
+    ) -> None:
+        self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
+        self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
+        self.outbox, self.counter = outbox, counter
+        # What each running request took and where it went, for a restart after this process dies (not opened:
+        # writes nothing, as in tests that build a Settler alone)
+        self.journal = journal or InflightJournal(journal_path(events.path))
+
+    def dispatched(self, ctx: RequestContext, hop) -> None:
+        """Dispatch is about to send an attempt to `hop` under `ctx.upstream_id`: journaled, so that a restart
+        after this process dies can ask that instance what it made."""
+        self.journal.hop(ctx, hop)
+
+    def record_unadmitted(self, request: Request, err: APIError) -> None:
+        """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
+        scope = request_scope(request)
+        principal = scope.principal
+        team = principal.team if principal is not None else None
+        model = scope.model
+        ctx = RequestContext(
+            request_id=scope.request_id,
+            kind=_kind(request.url.path),
+            body={},
+            team_id=team.id if team is not None else None,
+            key_id=principal.key.id if principal is not None else None,
+            limits=team.limits if team is not None else None,
+            model=model if isinstance(model, str) else None,
+            stream=False,
+            t0=scope.t0,
+            deadline_base=0.0,
+            priority=team.limits.priority if team is not None else 0,
+            status="cancelled" if err.code == "client_disconnected" else "rejected",
+            reason=err.code,
+            http_status=err.status,
+            disconnected=err.code == "client_disconnected",
+        )
+        self.emit(ctx, time.perf_counter(), 0, 0, 0)
+
+    def release_hop(self, ctx: RequestContext, ok: bool) -> None:
+        if ctx.hop is not None:
+            ctx.hop.done(ok, time.monotonic())
+            self.metrics.in_flight.labels(ctx.model).dec()
+            ctx.upstream_error = ctx.hop.error or ctx.upstream_error
+            ctx.hop = None
+
+    async def close_stream(self, ctx: RequestContext) -> None:
+        if ctx.sse is not None:
+            sse, ctx.sse = ctx.sse, None
+            if ctx.chunks is not None and ctx.chunks.done and not ctx.incomplete:
+                await sse.drain()  # read to the end of the body so the keep-alive connection goes back to the pool
+            await sse.aclose()
+
+    async def finish(self, ctx: RequestContext) -> None:
+        hop = ctx.hop
+        try:
+            # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
+            if hop is not None and ctx.incomplete and hop.instance.cfg.engine:
+                answer = await relay.abort(self.client, hop, ctx.upstream_id)
+                if answer and answer.get("usage"):
+                    ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
+            await self.close_stream(ctx)
+        except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
+            log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
+        # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
+        if ctx.ticket is not None:
+            self._guard(self.queues[ctx.model].release, ctx.ticket)
+        state = self.local if ctx.local_state else self.state
+        if ctx.slot:
+            ctx.slot = False
+            release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
+            await self.state_change(release, ctx)  # its own lease, the one it journaled
+        try:
+            prompt, completion, cached = self.billable(ctx)
+        except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
+            log.exception("finish_billable_failed", request_id=ctx.request_id)
+            prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
+        if hop is not None:
+            self._guard(self.release_hop, ctx, ctx.instance_ok)
+        cost = None
+        try:
+            cost = self.cost(ctx, prompt, completion, cached)
+        except Exception:  # noqa: BLE001 - a price that cannot be applied must not skip the settle below
+            log.exception("finish_cost_failed", request_id=ctx.request_id)
+        ts = time.time()
+        if ctx.reservation is not None:
+            await self.state_change(state.settle(ctx.reservation, prompt, completion, ts, cost=cost or 0), ctx)
+            if ctx.local_state and self.outbox is not None:
+                # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
+                op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
+                key_id = ctx.reservation.key_id
+                self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
+        self._guard(self.record, ctx, ts, prompt, completion, cached, cost)
+        self._guard(self.journal.done, ctx)  # right after the event, no await between: see InflightJournal.done
+
+    def cost(self, ctx: RequestContext, prompt: int, completion: int, cached: int) -> int | None:
+        """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
+        never rounded per request, so the state's spend, the usage rows and the events all sum exactly."""
+        pool = self.upstreams.pools.get(ctx.served_model or ctx.model)
+        prices = pool.cfg.prices if pool is not None else None
+        return None if prices is None else prices.cost_femtos(prompt, completion, cached)
+
+    def record(
+        self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int, cost: int | None = None
+    ) -> None:
+        """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
+        write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
+        seq = None
+        try:
+            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts, cost)
+        except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
+            log.exception("event_write_failed", request_id=ctx.request_id)
+        if ctx.route:
+            model = ctx.served_model or ctx.model
+            self.usage.add(
+                ctx.team_id,
+                model,
+                prompt,
+                completion,
+                cached,
+                day=day_key(ts),
+                seq=seq,
+                key_id=ctx.key_id,
+                user=ctx.user,
+                cost_femtos=cost or 0,
+            )
+
+    def defer(self, err: StateUnavailable) -> None:
+        """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""
+        if err.pending is not None and self.outbox is not None:
+            self.outbox.put(err.pending)
+
+    async def state_change(self, change, ctx: RequestContext) -> None:
+        try:
+            await change
+        except StateUnavailable as e:
+            self.defer(e)
+            log.warning("state_change_deferred", request_id=ctx.request_id, error=str(e))
+        except Exception:  # noqa: BLE001
+            log.exception("state_change_failed", request_id=ctx.request_id)
+
+    async def take(self, call: Awaitable[T], give_back: Callable[[T], Awaitable[object]], ctx: RequestContext) -> T:
+        """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
+        completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
+        behind until its expiry."""
+        task = relay.spawn(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def undo(t: asyncio.Task) -> None:
+                if t.cancelled():
+                    return
+                if isinstance(t.exception(), StateUnavailable):
+                    self.defer(t.exception())
+                elif t.exception() is None and t.result():
+                    relay.spawn(self.state_change(give_back(t.result()), ctx))
+
+            task.add_done_callback(undo)
+            raise
+
+    @staticmethod
+    def _guard(step, *args) -> None:
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - one failed step must not skip the others
+            log.exception("finish_step_failed", step=getattr(step, "__name__", str(step)))
+
+    def billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+        """What the request cost: the upstream's own usage when it reported one, else our count; plus what
+        hops that failed before the first token had already made."""
+        prompt, completion, cached = self._billable(ctx)
+        return prompt + ctx.spilled_prompt_tokens, completion + ctx.spilled_completion_tokens, cached
+
+    def _billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+        """The last hop's usage, and how it was obtained (`ctx.usage_source`, the event's `usage_source`)."""
+        usage = ctx.usage or (ctx.chunks.usage if ctx.chunks is not None else None)
+        if usage:
+            ctx.usage_source = ctx.usage_source or "upstream"
+            details = usage.get("prompt_tokens_details") or {}
+            cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
+            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
+        if ctx.hop is None or ctx.dispatched_at is None:  # no hop served it: only what failed hops' engines made
+            ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
+            return 0, 0, 0
+        completion = 0
+        if ctx.chunks is not None and ctx.chunks.text:
+            completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
+        if ctx.chunks is not None and ctx.chunks.done:
+            # The whole answer was relayed, only its usage was not sent: its text is what was made.
+            ctx.usage_source = "estimate_text"
+            return ctx.prompt_tokens, completion, 0
+        # Cut before its usage arrived (client gone, upstream broken, timeout) and no engine to ask: what was relayed
+        # is only a lower bound (an upstream runs ahead of the relay, and a provider may generate, and bill, past a
+        # dropped connection). The reservation bounds what it could make (it was sent max_tokens per choice).
+        ctx.usage_source = "reservation_bound"
+        return ctx.prompt_tokens, max(completion, ctx.max_tokens or 0), 0
+
+    def emit(
+        self,
+        ctx: RequestContext,
+        now: float,
+        prompt: int,
+        completion: int,
+        cached: int,
+        ts: float | None = None,
+        cost: int | None = None,
+    ) -> int:
+        e2e = now - ctx.t0
+        tpot = None
+        chunks = ctx.chunks
+        per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
+        if chunks is not None and chunks.first_token_at is not None and per_choice > 1:
+            tpot = (chunks.last_token_at - chunks.first_token_at) / (per_choice - 1)
+        if ctx.finish_reason is None and chunks is not None:
+            ctx.finish_reason = chunks.finish_reason
+        # Output beyond the reservation (an upstream that ignores the max_tokens it was sent): billed in full by the
+        # settle above, and named here so that it can be found.
+        overrun = max(0, completion - ctx.max_tokens) if ctx.max_tokens is not None and ctx.route else 0
+        if overrun:
+            log.warning(
+                "upstream_overran_reservation",
+                request_id=ctx.request_id,
+                instance=ctx.route[-1],
+                reserved=ctx.max_tokens,
+                completion_tokens=completion,
+            )
+        seq = self.events.emit(
+            {
+                "ts": ts or time.time(),
+                "request_id": ctx.request_id,
+                "team": ctx.team_id,
+                "key_id": ctx.key_id,
+                "model": clip(ctx.model),
+                "served_model": ctx.served_model,
+                "route": ctx.route,
+                "route_reason": ctx.route_reason,
+                "upstream_error": ctx.upstream_error,
+                "upstream_request_id": ctx.upstream_id or None,
+                "instance": ctx.route[-1] if ctx.route else None,
+                "priority": ctx.priority,
+                "status": ctx.status,
+                "reason": ctx.reason,
+                "http_status": ctx.http_status,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "cached_tokens": cached,
+                "max_tokens": ctx.max_tokens,
+                "overrun_tokens": overrun,
+                "usage_source": ctx.usage_source,
+                "queue_ms": _ms(ctx.queue_s),
+                "ttft_ms": _ms(ctx.ttft_s),
+                "tpot_ms": _ms(tpot),
+                "e2e_ms": _ms(e2e),
+                "finish_reason": ctx.finish_reason,
+                "stream": ctx.stream,
+                "kind": ctx.kind,
+                "client_disconnected": ctx.disconnected,
+                "user": ctx.user,
+                "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
+            }
+        )
+        m = self.metrics
+        # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
+        model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
+        m.requests.labels(ctx.team_id or "none", model, ctx.status).inc()
+        if ctx.status == "rejected":
+            m.rejections.labels(ctx.reason or "unknown").inc()
+        if prompt or completion:
+            m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
+            m.completion_tokens.labels(ctx.team_id, model).inc(completion)
+        m.e2e.labels(model).observe(e2e)
+        if ctx.queue_s is not None:
+            m.queue_time.labels(model).observe(ctx.queue_s)
+        if ctx.ttft_s is not None:
+            m.ttft.labels(model).observe(ctx.ttft_s)
+        if tpot is not None:
+            m.tpot.labels(model).observe(tpot)
+        upstream = (ctx.upstream_end or now) - ctx.dispatched_at if ctx.dispatched_at is not None else 0.0
+        m.overhead.observe(max(0.0, e2e - (ctx.queue_s or 0.0) - upstream))
+        if ctx.status != "ok":
+            log.info(
+                "request_not_ok",
+                request_id=ctx.request_id,
+                team=ctx.team_id,
+                model=clip(ctx.model),
+                status=ctx.status,
+                reason=ctx.reason,
+                http_status=ctx.http_status,
+            )
+        return seq
+
+
+def _kind(path: str) -> str:
+    if path.endswith("/chat/completions"):
+        return "chat"
+    return "embeddings" if path.endswith("/embeddings") else "completions"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -1,0 +1,323 @@
+"""The gateway app: `create_app(config)` wires store, auth, state, queues, upstreams, events and metrics.
+
+The lifespan opens what needs opening and, on shutdown (uvicorn runs it on SIGTERM too), drains: usage and
+events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
+store, and seeds the shared state's budgets from the store, retrying (and answering 503 state_unavailable
+meanwhile) while the state backend is unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from tokenweir.gateway.accounting.events import EventWriter, replay_after
+from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
+from tokenweir.gateway.admin.teams import router as admin_router
+from tokenweir.gateway.auth.authenticator import Authenticator
+from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.logging import bind_request, clear_request, ensure_configured, get_logger
+from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.admission import Admission
+from tokenweir.gateway.request.context import new_request_id, open_scope, request_scope
+from tokenweir.gateway.request.inflight import recover
+from tokenweir.gateway.request.queue import DispatchQueue
+from tokenweir.gateway.server.errors import APIError, api_error_handler, error_response, validation_error
+from tokenweir.gateway.server.probes import router as probes_router
+from tokenweir.gateway.server.routes import router
+from tokenweir.gateway.server.services import Services, get_services
+from tokenweir.gateway.state.memory import InMemoryState, StateUnavailable
+from tokenweir.gateway.state.outbox import StateOutbox
+from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state.repair import StateWatch
+from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
+from tokenweir.policies.pricing import usd_to_femtos
+
+log = get_logger()
+
+
+def create_app(config: GatewayConfig, *, store: Store | None = None, state_backend=None) -> FastAPI:
+    """An app for `config`. A `store` passed in stays open after shutdown (the caller owns it)."""
+    ensure_configured(config.log_level)
+    metrics = Metrics()
+    upstreams = Upstreams(config, metrics)
+    own_state = state_backend is None
+    state = state_backend or make_state(config)
+    queues = {name: DispatchQueue(p.cfg.capacity, p.cfg.max_queued) for name, p in upstreams.pools.items()}
+    events = EventWriter(
+        config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
+    )
+
+    services = Services(config=config, upstreams=upstreams, metrics=metrics, state=state, queues=queues, events=events)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        own_store = store is None
+        st = store or await asyncio.to_thread(Store.open, config.store_url)
+        writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
+        usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
+        client = relay.make_client(config.timeouts.connect_s)
+        outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
+        admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox)
+        services.store, services.authenticator = st, Authenticator(st, config.auth_cache_ttl_s)
+        services.usage, services.http, services.outbox, services.admission = usage, client, outbox, admission
+        billed = await replay_usage(st, usage, events, config)
+        await events.start()
+        # Requests a killed run of this process left in flight: billed and given back before anything is served
+        # (and before the in-process state's budgets are seeded from the store, which then includes them).
+        s = admission.settler
+        if await recover(s.journal, s, state, outbox, client, upstreams, billed):
+            await usage.flush()
+        if admission.local is not None:
+            await seed_budgets(st, admission.local)
+        seeding = None
+        if isinstance(state, InMemoryState):
+            await seed_budgets(st, state)
+        else:
+            admission.state_ready = False
+            watch = None
+            if isinstance(state, RedisState):
+                watch = StateWatch(state, st, usage, watch_s=config.state.watch_s)
+            seeding = asyncio.create_task(seed_until_ready(st, state, admission, watch))
+        await asyncio.to_thread(admission.counters.warm)
+        await usage.start()
+        await outbox.start()
+        upstreams.start(client)
+        log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
+        try:
+            yield
+        finally:
+            await relay.wait_background()  # requests cut at shutdown still abort, settle and write their event
+            if seeding is not None:
+                seeding.cancel()
+                await asyncio.gather(seeding, return_exceptions=True)
+            await upstreams.close()
+            await outbox.close()
+            await usage.close()
+            await events.close()
+            admission.settler.journal.close()
+            await client.aclose()
+            if own_state and hasattr(state, "close"):
+                await state.close()
+            if own_store:
+                st.close()
+            log.info("gateway_stopped")
+
+    app = FastAPI(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
+    app.state.services = services  # read through gateway.server.services.get_services only
+    app.include_router(probes_router)
+    app.include_router(router)
+    app.include_router(admin_router)
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
+    return app
+
+
+def make_state(config: GatewayConfig):
+    if not config.state_url:
+        return InMemoryState()
+    sc = config.state
+    return RedisState(
+        config.state_url,
+        # a hold outlives the longest request, so it is never reaped while its request still runs
+        hold_s=max(900.0, config.timeouts.queue_s + config.timeouts.total_s + 60.0),
+        max_connections=sc.max_connections,
+        pool_timeout_s=sc.pool_timeout_s,
+        timeout_s=sc.timeout_s,
+    )
+
+
+async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, config: GatewayConfig) -> set[str]:
+    """Usage of the events written after the store's watermark for this writer (a crash came between the event
+    and the usage flush): added and flushed before anything is served or any budget is seeded. Returns their
+    upstream request ids (billed already: the in-flight recovery skips them)."""
+    watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
+    path, backups = config.events.path, config.events.backups
+    replayed, billed = 0, set()
+    for e in await asyncio.to_thread(lambda: list(replay_after(path, watermark, backups))):
+        usage.seq = max(usage.seq, e["seq"])  # the watermark passes events without usage too
+        if e.get("upstream_request_id"):
+            billed.add(e["upstream_request_id"])
+        if e.get("route") and e.get("team"):
+            model = e.get("served_model") or e.get("model")
+            prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
+            day = day_key(e["ts"])
+            usage.add(
+                e["team"],
+                model,
+                prompt,
+                completion,
+                e.get("cached_tokens") or 0,
+                day=day,
+                seq=e["seq"],
+                key_id=e.get("key_id"),
+                user=e.get("user"),
+                cost_femtos=usd_to_femtos(e.get("cost") or 0),
+            )
+            replayed += 1
+    events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last
+    if replayed:
+        await usage.flush()
+        log.warning("usage_replayed", events=replayed, after_seq=watermark, writer=usage.writer)
+    return billed
+
+
+async def seed_until_ready(store: Store, state, admission: Admission, watch: StateWatch | None = None) -> None:
+    """Seed the shared state's budgets, retrying while it is unreachable; admission waits for it (503 meanwhile).
+    With a `watch` (Redis), it then watches the state's epoch and rebuilds it after a loss (gateway.state.repair)."""
+    delay = 0.25
+    while True:
+        try:
+            if watch is None:
+                await seed_budgets(store, state)
+            else:
+                await watch.start()
+            admission.state_ready = True
+            log.info("state_ready")
+            if watch is not None:
+                await watch.run()
+            return
+        except (StateUnavailable, *REDIS_ERRORS) as e:
+            log.warning("state_unreachable_at_start", error=f"{type(e).__name__}: {e}", retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def seed_budgets(store: Store, state) -> None:
+    """Spend already recorded this UTC day / month, so a restart does not hand out fresh budgets."""
+    now = time.time()
+    day, month = period_start_day(DAY, now), period_start_day(MONTH, now)
+
+    def read() -> list[tuple[str, int, int]]:
+        return [(t.id, store.spent_tokens(t.id, day), store.spent_tokens(t.id, month)) for t in store.list_teams()]
+
+    for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
+        if day_tokens or month_tokens:
+            await asyncio.to_thread(state.seed_spend, team_id, day_tokens, month_tokens)
+    await seed_key_budgets(store, state)  # the keys' own budgets, and every spend (USD) budget
+
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+CLIENT_GONE = APIError(499, "The client closed the connection before the request was read.", "client_disconnected")
+SHUTTING_DOWN = APIError(503, "The gateway is shutting down; retry.", "shutting_down", headers={"retry-after": "1"})
+
+
+async def _api_error_handler(request: Request, err: APIError):
+    record_unadmitted(request, err)
+    return await api_error_handler(request, err)
+
+
+def record_unadmitted(request: Request, err: APIError) -> None:
+    """Every inference request ends as one JSONL event: those refused before admission got none from finish()."""
+    if request.url.path in INFERENCE_PATHS and not request_scope(request).accounted:
+        admission = get_services(request).admission
+        if admission is not None:
+            admission.settler.record_unadmitted(request, err)
+
+
+async def _validation_handler(_request, exc: RequestValidationError):
+    return error_response(validation_error(exc.errors()))
+
+
+async def _http_handler(_request, exc: StarletteHTTPException):
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = "Unknown URL." if exc.status_code == 404 else str(exc.detail)
+    return error_response(APIError(exc.status_code, message, codes.get(exc.status_code), headers=exc.headers))
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class RequestMiddleware:
+    """Pure ASGI (cheap): request id in and out, the body size limit, and a last-resort OpenAI-shaped 500."""
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client_id = None
+        length = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                client_id = v.decode("latin-1")
+            elif k == b"content-length":
+                length = int(v) if v.isdigit() else None
+        request_id = new_request_id(client_id)
+        open_scope(scope, request_id)
+        rid_header = (b"x-request-id", request_id.encode())
+        started = False
+        bind_request(request_id=request_id)
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", ()), rid_header]
+            await send(message)
+
+        async def error(err: APIError) -> None:
+            if "app" in scope:  # set by Starlette once the request reached the app
+                record_unadmitted(Request(scope), err)
+            body = orjson.dumps(err.body())
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+            await send_with_id({"type": "http.response.start", "status": err.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        too_large = APIError(
+            413,
+            f"The request body is larger than the gateway's limit of {self.max_body_bytes} bytes.",
+            "body_too_large",
+        )
+        if length is not None and length > self.max_body_bytes:
+            clear_request()
+            return await error(too_large)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send_with_id)
+        except BodyTooLarge:
+            if not started:
+                await error(too_large)
+        except ClientDisconnect:  # gone while we read its body: nothing to answer, one event to write
+            if "app" in scope:
+                record_unadmitted(Request(scope), CLIENT_GONE)
+        except asyncio.CancelledError:
+            # The server is shutting down past its grace: a proper OpenAI error, never uvicorn's plain-text 500.
+            if not started:
+                with contextlib.suppress(Exception):
+                    await error(SHUTTING_DOWN)
+            raise
+        except Exception:
+            log.exception("unhandled_error", path=scope.get("path"))
+            if not started:
+                await error(APIError(500, "The gateway hit an internal error; it has been logged.", "internal_error"))
+        finally:
+            clear_request()

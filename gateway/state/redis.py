@@ -1,0 +1,402 @@
+"""Shared live state in Redis for several gateway replicas: the same methods as `InMemoryState`.
+
+Every decision is one Lua script (gateway.state.redis_lua; one round trip, atomic on the server), so N replicas
+together admit exactly what one would: limits are never multiplied by the replica count. Where each team's and API
+key's counters live: gateway.state.redis_keys; reading the scripts' answers: gateway.state.redis_replies.
+A replica that dies without settling cannot hold budget or slots forever: expired holds are reaped (their
+tokens given back) by the next reserve, expired slot leases by the next acquire. Live leases are renewed by a
+background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
+increment; a window hash's TTL does follow its newest write, which is harmless because the counts inside age
+out by slot index, not by TTL (the TTL only garbage-collects an idle team's hash).
+Times come from the calling replica's clock (NTP-synced replicas agree to well within a 1 s slot); `snapshot`
+and `seed_spend` are sync by contract and use a small blocking client (an admin call, a metrics scrape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
+from tokenweir.gateway.state.redis_keys import RedisKeyLayout
+from tokenweir.gateway.state.redis_lua import (
+    ACQUIRE,
+    ACQUIRE_ARGV,
+    RENEW,
+    RESERVE,
+    RESERVE_ARGV,
+    RESERVE_SUBJECT_ARGV,
+    SETTLE,
+    SETTLE_ARGV,
+    script_args,
+)
+from tokenweir.gateway.state.redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
+from tokenweir.policies.budget import as_key_rejection
+from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
+from tokenweir.policies.pricing import split_femtos
+from tokenweir.policies.rate import SLOTS, WINDOW_S
+from tokenweir.policies.reservation import Reservation
+
+# What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
+# ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
+# write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
+# closed=True>"), not an OSError.
+REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
+
+
+def _lim(value: int | None) -> int:
+    return UNLIMITED if value is None else value
+
+
+class RedisState:
+    """`InMemoryState`'s contract over Redis.
+
+    `lease_s` bounds how long a dead replica's concurrency slots last (live ones are renewed every lease_s / 3);
+    `hold_s` how long its budget holds last (default lease_s; the app sets it past the longest request, so a
+    hold is never reaped while its request still runs). Every call has a socket timeout and the pool waits up
+    to `pool_timeout_s` for a free connection instead of failing at once; a call that still fails raises
+    `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release.
+
+    `require_seeded`: refuse (StateUnseeded) a team Redis holds no seeded spend for, after calling `on_unseeded`
+    (which may seed it and answer True, and the reserve is tried again); the app sets both (gateway.state.repair)."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "tw",
+        lease_s: float = 60.0,
+        hold_s: float | None = None,
+        max_connections: int = 256,
+        pool_timeout_s: float = 2.0,
+        timeout_s: float = 2.0,
+        clock=time.time,
+        require_seeded: bool = False,
+    ) -> None:
+        assert lease_s > 0 and (hold_s is None or hold_s > 0)
+        self._keys = RedisKeyLayout(prefix)
+        self.lease_s, self._clock = lease_s, clock
+        self.hold_s = hold_s or lease_s
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
+        # seed_spend() and snapshot() are sync by contract (start-up, tests)
+        self._sync = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._reserve = self._redis.register_script(RESERVE)
+        self._settle = self._redis.register_script(SETTLE)
+        self._acquire = self._redis.register_script(ACQUIRE)
+        self._renew = self._redis.register_script(RENEW)
+        self._leases: dict[tuple[str, str | None], list[str]] = {}  # live slot leases per (team, key or None)
+        self._renewer: asyncio.Task | None = None
+        self.live_holds: dict[str, LiveHold] = {}  # by hold id, until settled
+        self.require_seeded = require_seeded
+        self.on_unseeded: Callable[[str], Awaitable[bool]] | None = None
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._redis
+
+    @property
+    def keys(self) -> RedisKeyLayout:
+        return self._keys
+
+    @property
+    def leases(self) -> dict[tuple[str, str | None], list[str]]:
+        """This replica's live slot leases per (team, key or None)."""
+        return self._leases
+
+    def _reserve_subject(self, team_id: str, key_id: str | None, limits, now: float) -> tuple[list, list]:
+        """One subject's KEYS and ARGV for the RESERVE script (state_redis_lua.RESERVE_KEYS / _SUBJECT_ARGV)."""
+        sub = self._keys.subject(key_id)
+        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
+        keys = [self._keys.key(team_id, sub + "rpm"), self._keys.key(team_id, sub + "tpm"), day_k, month_k]
+        keys += [self._keys.key(team_id, sub + "holds"), self._keys.key(team_id, sub + "meta")]
+        args = script_args(
+            RESERVE_SUBJECT_ARGV,
+            rpm_limit=_lim(limits.rpm),
+            tpm_limit=_lim(limits.tpm),
+            day_limit=_lim(limits.tokens_per_day),
+            month_limit=_lim(limits.tokens_per_month),
+            cost_day_limit=_lim(usd_micros(limits.usd_per_day)),
+            cost_month_limit=_lim(usd_micros(limits.usd_per_month)),
+            res_prefix=self._keys.key(team_id, sub + "res:"),
+        )
+        return keys, args
+
+    async def reserve(
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
+        seeding_tried: bool = False,
+    ) -> Reservation:
+        assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
+        now = self._clock() if now is None else now
+        n = prompt_tokens + max_tokens
+        _, _, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now)
+        res_id = uuid.uuid4().hex
+        # A key without limits is still counted: a limit added later must see what it already spent.
+        counted_key = key_id
+        subjects = [(None, limits)] + ([(counted_key, key_limits or KeyLimits())] if counted_key is not None else [])
+        keys: list = []
+        args = script_args(
+            RESERVE_ARGV,
+            now=repr(now),
+            tokens=n,
+            cost=cost,
+            slot_s=WINDOW_S / SLOTS,
+            slots=SLOTS,
+            day_period=d,
+            month_period=m,
+            day_expire_s=d_exp,
+            month_expire_s=m_exp,
+            res_id=res_id,
+            hold_s=self.hold_s,
+            require_seeded=int(self.require_seeded),
+        )
+        for sub_key, sub_limits in subjects:
+            sub_keys, sub_args = self._reserve_subject(team_id, sub_key, sub_limits, now)
+            keys += sub_keys
+            args += sub_args
+        try:
+            code, detail, which, *used = await self._reserve(keys=keys, args=args)
+        except REDIS_ERRORS as e:
+            # The hold may have been taken before the answer was lost: a settle of nothing gives it back (and
+            # is a no-op if it never was).
+            undo = {"op": "settle", "team_id": team_id, "res_id": res_id, "tokens": 0, "now": now}
+            undo |= {"key_id": counted_key, "cost": 0}
+            raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
+        if code == 7:
+            if not seeding_tried and self.on_unseeded is not None and await self.on_unseeded(team_id):
+                key = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
+                return await self.reserve(team_id, limits, prompt_tokens, max_tokens, now, **key)
+            raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
+        used = [int(u) for u in used]
+        headers = merged_headers([lim for _, lim in subjects], used, now)
+        if code != 0:
+            i = int(which) - 1  # the subject that said no: 0 the team, 1 the key
+            rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
+            rejection = reserve_rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
+            raise as_key_rejection(rejection) if i else rejection
+        self.live_holds[res_id] = LiveHold(team_id, counted_key, n, cost, now, d, m)
+        return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
+
+    async def settle(
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
+    ) -> Reservation:
+        """Idempotent across replicas too: the first settle leaves a tombstone that later ones stop at."""
+        assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
+        if reservation.settled:
+            return reservation
+        self.live_holds.pop(reservation.backend_id or "", None)
+        now = self._clock() if now is None else now
+        op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
+        op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
+        over = await self.replay(op)
+        return reservation.mark_settled(prompt_tokens + completion_tokens, cost, max(0, int(over)))
+
+    async def replay(self, op: dict) -> int:
+        """Apply a settle or a slot release, now or again later from the outbox (both are idempotent: a settle
+        stops at its tombstone, a release of a lease already gone removes nothing)."""
+        try:
+            team_id, key_id = op["team_id"], op.get("key_id")
+            if op["op"] == "release_slot":
+                if key_id is None:
+                    await self._redis.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
+                    return 0
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
+                    pipe.zrem(self._keys.key(team_id, self._keys.subject(key_id) + "slots"), op["lease_id"])
+                    await pipe.execute()
+                return 0
+            assert op["op"] == "settle", op
+            res_id, now = op["res_id"], op["now"]
+            keys = []
+            for sub_key in (None, key_id) if key_id is not None else (None,):
+                sub = self._keys.subject(sub_key)
+                day_k, month_k, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now, sub_key)
+                # KEYS per subject: tpm_window day_hash month_hash holds_zset meta_hash res_hash (lua.SETTLE_KEYS)
+                keys += [self._keys.key(team_id, sub + "tpm"), day_k, month_k, self._keys.key(team_id, sub + "holds")]
+                keys += [self._keys.key(team_id, sub + "meta"), self._keys.key(team_id, f"{sub}res:{res_id}")]
+            cost_micros, cost_below_micro = split_femtos(op.get("cost", 0))  # exact femto-USD, split for int64 maths
+            args = script_args(
+                SETTLE_ARGV,
+                now=repr(now),
+                actual=op["tokens"],
+                actual_cost=cost_micros,
+                actual_cost_rem=cost_below_micro,
+                slot_s=WINDOW_S / SLOTS,
+                slots=SLOTS,
+                day_period=d,
+                month_period=m,
+                day_expire_s=d_exp,
+                month_expire_s=m_exp,
+                res_id=res_id,
+            )
+            return int(await self._settle(keys=keys, args=args))
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
+
+    async def acquire_slot(
+        self,
+        team_id: str,
+        max_concurrency: int | None,
+        *,
+        key_id: str | None = None,
+        key_max: int | None = None,
+        lease_id: str | None = None,
+    ) -> bool:
+        """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
+        renewed in the background until released. `lease_id`: the caller's name for it (unique), chosen before
+        the call so that a restart after this process dies can release it by name (gateway/request/inflight.py)."""
+        lease_id = lease_id or uuid.uuid4().hex
+        keys = [self._keys.key(team_id, "slots")]
+        if key_id is not None:
+            keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
+        args = script_args(
+            ACQUIRE_ARGV,
+            now=repr(self._clock()),
+            lease_s=self.lease_s,
+            max_concurrency=_lim(max_concurrency),
+            lease_id=lease_id,
+            key_max_concurrency=_lim(key_max),
+        )
+        try:
+            if not await self._acquire(keys=keys, args=args):
+                return False
+        except REDIS_ERRORS as e:
+            # The lease may have been taken before the answer was lost: release it, or it would hold one of the
+            # team's slots until it expires.
+            undo = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
+            raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}", pending=undo) from e
+        self._leases.setdefault((team_id, key_id), []).append(lease_id)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_loop())
+        return True
+
+    async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None:
+        """Drop one of this replica's leases: `lease_id`, the one acquire_slot was given (the request's own, as its
+        journal names it), else the newest. The local bookkeeping happens before the await, so a
+        cancellation during the round trip still frees the slot here; a failed call raises StateUnavailable with
+        the release pending (for the outbox), and Redis lets the lease lapse by expiry meanwhile."""
+        leases = self._leases.get((team_id, key_id))
+        assert leases, f"release_slot without acquire_slot for team {team_id}"
+        if lease_id is None or lease_id not in leases:
+            lease_id = leases.pop()
+        else:
+            leases.remove(lease_id)
+        if not leases:
+            del self._leases[(team_id, key_id)]
+        op = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
+        await asyncio.shield(self.replay(op))
+
+    async def renew_leases(self) -> None:
+        """Push out the expiry of every lease this replica holds (the background task calls this)."""
+        expiry = repr(self._clock() + self.lease_s)
+        ttl_ms = math.ceil(self.lease_s * 1000) + 1000
+        for (team_id, key_id), leases in list(self._leases.items()):
+            if leases:
+                # ARGV: expiry, ttl_ms, then every lease id (see state_redis_lua.RENEW)
+                await self._renew(keys=[self._keys.key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
+                if key_id is not None:
+                    key_slots = self._keys.key(team_id, self._keys.subject(key_id) + "slots")
+                    await self._renew(keys=[key_slots], args=[expiry, ttl_ms, *leases])
+
+    async def _renew_loop(self) -> None:
+        while self._leases:
+            await asyncio.sleep(self.lease_s / 3)
+            with contextlib.suppress(*REDIS_ERRORS):  # Redis is away: next round (a lease lasts three)
+                await self.renew_leases()
+
+    def seed_spend(
+        self,
+        team_id: str,
+        day_tokens: int,
+        month_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        day_cost: int | None = None,
+        month_cost: int | None = None,
+    ) -> None:
+        """Fill in spend from the store only where Redis has none: the live counters, shared by replicas that
+        may hold unflushed usage, win over a store snapshot taken by whichever replica starts next. Costs are exact
+        femto-USD, kept as whole micro-USD plus the femto-USD below one (as SETTLE keeps them)."""
+        now = self._clock() if now is None else now
+        day_k, month_k, _, _, d_exp, m_exp = self._keys.period_keys(team_id, now, key_id)
+        with self._sync.pipeline() as pipe:
+            pipe.hsetnx(day_k, "spent", day_tokens).expire(day_k, d_exp)
+            pipe.hsetnx(month_k, "spent", month_tokens).expire(month_k, m_exp)
+            for hash_key, cost in ((day_k, day_cost), (month_k, month_cost)):
+                if cost is not None:
+                    micros, below = split_femtos(cost)
+                    pipe.hsetnx(hash_key, "cost_spent", micros).hsetnx(hash_key, "cost_spent_rem", below)
+            pipe.execute()
+
+    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
+        """Live counters across all replicas (one pipelined read; sync because the contract is); with key_id, that
+        API key's own counters."""
+        now = self._clock() if now is None else now
+        with self._sync.pipeline(transaction=False) as pipe:
+            reads = self._snapshot_reads(pipe, team_id, now, key_id).execute()
+            return snapshot_view(team_id, now, reads)
+
+    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
+        """`snapshot` without blocking the event loop; StateUnavailable when Redis cannot answer."""
+        now = self._clock()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                results = await self._snapshot_reads(pipe, team_id, now, key_id).execute()
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"snapshot: {type(e).__name__}: {e}") from e
+        return snapshot_view(team_id, now, results)
+
+    async def ping(self) -> None:
+        """Readiness: StateUnavailable when Redis does not answer."""
+        try:
+            await self._redis.ping()
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
+
+    def _snapshot_reads(self, pipe, team_id: str, now: float, key_id: str | None = None):
+        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
+        sub = self._keys.subject(key_id)
+        pipe.hgetall(self._keys.key(team_id, sub + "rpm")).hgetall(self._keys.key(team_id, sub + "tpm"))
+        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._keys.key(team_id, sub + "meta"))
+        pipe.zcount(self._keys.key(team_id, sub + "slots"), f"({now!r}", "+inf")
+        return pipe.zcard(self._keys.key(team_id, sub + "holds"))
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        await self._redis.aclose()
+        self._sync.close()

@@ -1,0 +1,1 @@
+"""The durable store: teams, keys, limits and usage rows in SQLite or PostgreSQL."""

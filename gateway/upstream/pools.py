@@ -1,0 +1,321 @@
+"""Upstream pools: load-aware instance pick, a circuit breaker per instance, and the route plan of hops.
+
+A hop is (public model, instance). The plan is: the model's pool instances (ranked by the pool's route strategy,
+policies/routing.py: where the prompt's prefix is cached, least loaded, or in turn), then each configured fallback
+model's instances (least loaded first). The relay tries hops in order while a failure happens BEFORE the first
+byte; the hops it tried end up in the request's event as `route`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.logging import get_logger
+from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
+from tokenweir.gateway.upstream.prefix_index import PrefixIndex
+from tokenweir.policies import prefix_hash, routing
+
+if TYPE_CHECKING:
+    from tokenweir.gateway.accounting.metrics import Metrics
+
+CLOSED, OPEN, HALF_OPEN = 0, 1, 2  # the circuit-state gauge's values
+
+
+@dataclass
+class Instance:
+    cfg: UpstreamConfig
+    breaker: BreakerConfig
+    in_flight: int = 0
+    load: dict | None = None  # last /load answer (our engines only)
+    failures: int = 0  # consecutive
+    opened_at: float | None = None  # circuit open since (monotonic)
+    probing: bool = False  # a half-open probe is out
+    model: str = ""  # the pool it belongs to (metrics label)
+    metrics: Metrics | None = field(default=None, repr=False, compare=False)
+    index: PrefixIndex | None = field(default=None, repr=False, compare=False)  # its pool's (prefix routing)
+    evicted_epoch: str | None = None  # where this poller stands in the engine's eviction log (GET /load)
+    evicted_seq: int | None = None
+    # The process behind it is known to be gone (a supervised engine exited): circuit open, no probe, until a
+    # /load poll sent after that answers again (`mark_up`).
+    down_since: float | None = None
+    max_model_len: int | None = None  # our engine's context length, from its /v1/models (None: not known yet)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def circuit(self) -> int:
+        if self.down_since is not None:
+            return OPEN
+        if self.opened_at is None:
+            return CLOSED
+        return HALF_OPEN if self.probing else OPEN
+
+    def _report(self) -> None:
+        if self.metrics is not None:
+            self.metrics.circuit_state.labels(self.model, self.name).set(self.circuit)
+
+    def upstream_model(self, public_model: str) -> str:
+        return self.cfg.model or public_model
+
+    def auth_headers(self) -> dict[str, str]:
+        """The instance's API key as a bearer header, on every call to it (requests, /abort, /load, /v1/models)."""
+        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+    def available(self, now: float) -> bool:
+        """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe)."""
+        if self.down_since is not None:
+            return False
+        if self.opened_at is None:
+            return True
+        return not self.probing and now - self.opened_at >= self.breaker.cooldown_s
+
+    def take(self, now: float) -> None:
+        if self.opened_at is not None:
+            self.probing = True
+        self.in_flight += 1
+        if self.metrics is not None:
+            self.metrics.hops.labels(self.model, self.name).inc()
+            self._report()
+
+    def done(self, ok: bool, now: float) -> None:
+        """Release after a dispatch: `ok` False means a failure of the instance (not of the request)."""
+        self.in_flight -= 1
+        self.probing = False
+        if ok:
+            self.failures, self.opened_at = 0, None
+        else:
+            self.failures += 1
+            if self.failures >= self.breaker.failures or self.opened_at is not None:
+                self.opened_at = now  # (re)open: a failed half-open probe restarts the cooldown
+            if self.metrics is not None:
+                self.metrics.upstream_failures.labels(self.model, self.name).inc()
+        self._report()
+
+    def mark_down(self, now: float) -> None:
+        """Its process exited: open the circuit (no half-open probe while it is down), forget its load and what the
+        prefix index says it caches (a restarted engine starts empty)."""
+        self.down_since = self.opened_at = now
+        self.failures = max(self.failures, self.breaker.failures)
+        self.load = self.max_model_len = None  # a restarted engine may serve another length: ask again
+        if self.index is not None:
+            self.index.forget_instance(self.name)
+        self._report()
+
+    def mark_up(self) -> None:
+        """Back (its /load answers again): the circuit closes."""
+        self.down_since = self.opened_at = None
+        self.failures, self.probing = 0, False
+        self._report()
+
+    def score(self) -> float:
+        """Lower is better. Engines report their queue; for others our own in-flight count is all we know."""
+        c = self.candidate(True)
+        return routing.load(c) + c.kv_usage
+
+    def candidate(self, available: bool, hit_blocks: int = 0) -> routing.Candidate:
+        load = self.load or {}
+        return routing.Candidate(
+            self.name,
+            available=available,
+            in_flight=self.in_flight,
+            running=int(load.get("num_running", 0) or 0),
+            waiting=int(load.get("num_waiting", 0) or 0),
+            kv_usage=float(load.get("kv_cache_usage", 0.0) or 0.0),
+            hit_blocks=hit_blocks,
+            prefix_capable=self.cfg.engine,
+        )
+
+
+@dataclass
+class Pool:
+    cfg: PoolConfig
+    instances: list[Instance] = field(default_factory=list)
+    index: PrefixIndex = field(init=False)
+    turn: int = 0  # round robin
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex(self.cfg.prefix_index_entries)
+        for inst in self.instances:
+            inst.index = self.index
+
+    @property
+    def model(self) -> str:
+        return self.cfg.model
+
+    @property
+    def serves_embeddings(self) -> bool:
+        if self.cfg.embeddings is not None:
+            return self.cfg.embeddings
+        return bool(self.instances) and not any(i.cfg.engine for i in self.instances)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length /v1/models reports: the pool's max_context, else the shortest its engines report."""
+        if self.cfg.max_context is not None:
+            return self.cfg.max_context
+        known = [i.max_model_len for i in self.instances if i.max_model_len is not None]
+        return min(known) if known else None
+
+    def ranked(self, now: float) -> list[Instance]:
+        """Least loaded first (a fallback pool's hops)."""
+        return sorted((i for i in self.instances if i.available(now)), key=Instance.score)
+
+    def block_size(self) -> int | None:
+        """The engines' prefix-cache block size, from /load, when they agree and hash as we do; else None."""
+        sizes = set()
+        for inst in self.instances:
+            load = inst.load
+            if not inst.cfg.engine or not load or "block_size" not in load:
+                continue
+            bs = int(load["block_size"])
+            if not load.get("prefix_caching", True) or load.get("prefix_hash_probe") != prefix_hash.probe(bs):
+                return None
+            sizes.add(bs)
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def route(self, now: float, token_ids: list[int] | None) -> tuple[list[Instance], routing.RouteReason, list[int]]:
+        """The pool's instances in the order to try them, why the first, and the prompt's block hashes (empty when
+        the decision did not use them)."""
+        strategy, hashes, hits = self.cfg.strategy, [], {}
+        block_size = self.block_size() if strategy == "prefix" and token_ids else None
+        if block_size is not None:
+            # the engine looks up at most (n - 1) // block_size blocks (the last token is always computed)
+            hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+            hits = self.index.match(hashes)
+        cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in self.instances]
+        names, why = routing.rank(cands, self.cfg.route_params(block_size or 16), hashes or None, self.turn)
+        if strategy == "round_robin":
+            self.turn += 1
+        by_name = {i.name: i for i in self.instances}
+        return [by_name[n] for n in names], why, hashes
+
+
+@dataclass
+class Hop:
+    model: str  # public model name of the pool this hop belongs to
+    instance: Instance
+    requested: str | None = None  # the model whose route plan this hop is in (another one: a fallback hop)
+    error: str | None = (
+        None  # why it failed, address included (gateway/request/relay.py `failed`): the event's, not tenants'
+    )
+
+    @property
+    def label(self) -> str:
+        """Pool and instance name: what events, metrics and tenants' errors show (never an address)."""
+        return f"{self.model}@{self.instance.name}"
+
+    @property
+    def where(self) -> str:
+        """The label with the instance's address: for the log and the request's event, never a tenant."""
+        return f"{self.label} ({self.instance.cfg.base_url})"
+
+    @property
+    def fallback(self) -> bool:
+        return self.requested is not None and self.requested != self.model
+
+    def done(self, ok: bool, now: float) -> None:
+        """`instance.done`, and a request served (ok) by a fallback pool's hop is counted as a fallback."""
+        self.instance.done(ok, now)
+        if ok and self.fallback and self.instance.metrics is not None:
+            self.instance.metrics.fallbacks.labels(self.requested, self.model).inc()
+
+
+class Upstreams:
+    def __init__(self, config: GatewayConfig, metrics: Metrics | None = None) -> None:
+        self.pools: dict[str, Pool] = {}
+        for pc in config.pools:
+            self.pools[pc.model] = Pool(pc, [Instance(u, config.breaker, model=pc.model) for u in pc.upstreams])
+        self.attach_metrics(metrics)
+        for pc in config.pools:
+            for fb in pc.fallbacks:
+                assert fb in self.pools, f"pool {pc.model}: fallback {fb!r} is not a configured pool"
+        self.poll_interval_s = config.load_poll_interval_s
+        self._poller: asyncio.Task | None = None
+
+    def attach_metrics(self, metrics: Metrics | None) -> None:
+        """Per-instance circuit state, failures, hops and fallbacks go to `metrics` from now on."""
+        for pool in self.pools.values():
+            for inst in pool.instances:
+                inst.metrics = metrics
+                inst._report()
+
+    def get(self, model: str) -> Pool | None:
+        return self.pools.get(model)
+
+    def plan(self, model: str) -> list[Hop]:
+        return self.route(model)[0]
+
+    def route(self, model: str, token_ids: list[int] | None = None) -> tuple[list[Hop], routing.RouteReason, list[int]]:
+        """The route plan, why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
+        now = time.monotonic()
+        pool = self.pools[model]
+        ranked, why, hashes = pool.route(now, token_ids)
+        hops = [Hop(model, i, model) for i in ranked]
+        for fb in pool.cfg.fallbacks:
+            hops += [Hop(fb, i, model) for i in self.pools[fb].ranked(now)]
+        return hops, why, hashes
+
+    def record(self, hop: Hop, hashes: list[int]) -> None:
+        """The hop's instance was sent a prompt with these block hashes: its pool's index learns it holds them
+        (only for the requested pool's own engines: a fallback pool's tokenizer may differ)."""
+        if hashes and not hop.fallback and hop.instance.cfg.engine and hop.instance.index is not None:
+            hop.instance.index.record(hop.instance.name, hashes)
+
+    # --- load poller --------------------------------------------------------------------------------------
+    def start(self, client: HTTP1Pool) -> None:
+        if any(i.cfg.engine for p in self.pools.values() for i in p.instances):
+            self._poller = asyncio.create_task(self._poll_forever(client))
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+
+    async def _poll_forever(self, client: HTTP1Pool) -> None:
+        engines = [i for p in self.pools.values() for i in p.instances if i.cfg.engine]
+        while True:
+            await asyncio.gather(*(self._poll(client, i) for i in engines))
+            await asyncio.sleep(self.poll_interval_s)
+
+    @staticmethod
+    async def _poll(client: HTTP1Pool, inst: Instance) -> None:
+        sent = time.monotonic()
+        query = ""
+        if inst.evicted_seq is not None and inst.evicted_epoch is not None:
+            query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
+        # None (unknown load) falls back to in-flight; failures count only on real requests
+        inst.load = await request_json(client, "GET", f"{inst.cfg.base_url}/load{query}", headers=inst.auth_headers())
+        if isinstance(inst.load, dict):
+            if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
+                inst.mark_up()
+                get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
+            forget_evicted(inst, inst.load)
+            if inst.max_model_len is None:
+                inst.max_model_len = await _model_len(client, inst)
+
+
+async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
+    """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
+    models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models", headers=inst.auth_headers())
+    data = models.get("data") if isinstance(models, dict) else None
+    value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def forget_evicted(inst: Instance, load: dict) -> None:
+    """What a /load answer says the engine evicted leaves the pool's prefix index. Another eviction log (the engine
+    restarted: its cache is empty) or a gap in this one (we fell behind) forgets all the index says it holds."""
+    if inst.index is None or "evicted_seq" not in load:
+        return
+    epoch, seq = load.get("evicted_epoch"), load.get("evicted_seq")
+    if inst.evicted_epoch is not None and (epoch != inst.evicted_epoch or not load.get("evicted_complete", True)):
+        inst.index.forget_instance(inst.name)
+    else:
+        inst.index.forget(inst.name, load.get("evicted_hashes") or ())
+    inst.evicted_epoch, inst.evicted_seq = epoch, seq
