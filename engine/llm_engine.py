@@ -13,9 +13,11 @@ import time
 
 import torch
 
+from tokenweir.common.text.model_files import default_model_path
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.attention import AttentionMetadata
 from tokenweir.engine.block_manager import BlockManager
-from tokenweir.engine.config import EngineConfig, default_model_path
+from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.linear import GGUF_MODES
 from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
 from tokenweir.engine.model import LlamaForCausalLM
@@ -26,7 +28,6 @@ from tokenweir.engine.sampling_params import SamplingParams
 from tokenweir.engine.scheduler import Scheduler
 from tokenweir.engine.sequence import Sequence
 from tokenweir.engine.stats import SchedulerStats, StepStats
-from tokenweir.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenweir.engine")
 

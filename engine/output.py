@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenweir.common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.engine.sequence import TokenLogprob
-from tokenweir.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

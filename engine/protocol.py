@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tokenweir.common.text.chat_text import template_message
 from tokenweir.engine.sampling_params import SamplingParams
 
 
@@ -38,15 +39,8 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
     def to_template(self) -> dict:
-        """The dict a chat template expects; text parts are joined with newlines, as vLLM does."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        msg: dict = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(self, key) is not None:
-                msg[key] = getattr(self, key)
-        return msg
+        """The dict a chat template expects (common/text/chat_text.py: text parts joined as the gateway counts them)."""
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class JsonSchemaFormat(BaseModel):

@@ -1,5 +1,5 @@
 """The engine server's command line (`python -m engine.server`, `tokenweir engine`): parse the flags
-(engine/flags.py), set up JSON logging (engine/log_format.py), load the model, serve the API of engine/api/ under
+(engine/flags.py), set up JSON logging (common/logging.py), load the model, serve the API of engine/api/ under
 uvicorn."""
 
 from __future__ import annotations
@@ -8,14 +8,12 @@ import os
 import signal
 from functools import partial
 
+from tokenweir.common.logging import configure
+
 # Only torch-free imports up here: `--help` and `--version` must answer without loading torch. The engine, the app
 # and uvicorn are imported in main(), after the arguments are parsed.
 from tokenweir.engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
 from tokenweir.engine.flags import api_key, engine_config, parse_args
-from tokenweir.engine.flags import (
-    parse_size as parse_size,  # gateway/process/engines.py reads its sizes through this module
-)
-from tokenweir.engine.log_format import configure_logging
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -39,14 +37,14 @@ def serving_threads() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    configure(args.log_level)
 
     import uvicorn
 
+    from tokenweir.common.http.door_limits import http_limits_from_args, uvicorn_options
     from tokenweir.engine.api import build_app
     from tokenweir.engine.async_engine import AsyncEngine, EngineThread
     from tokenweir.engine.llm_engine import LLMEngine
-    from tokenweir.gateway.server.door_limits import http_limits_from_args, uvicorn_options
 
     try:
         config = engine_config(args)
@@ -63,14 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(async_engine, api_key=api_key(args))
     print(f"tokenweir engine: serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     # Connections are bounded at the door (head size and deadline, body pauses, keep-alive of KEEP_ALIVE_S, open
-    # connections): --max-header-bytes and the other flags of gateway/server/door_limits.py.
+    # connections): --max-header-bytes and the other flags of common/http/door_limits.py.
     # On SIGTERM, streams get GRACEFUL_SHUTDOWN_S to finish; then they are cancelled, which aborts them in the engine.
     uvicorn.run(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        log_config=None,  # keep configure_logging's JSON handler; uvicorn's loggers propagate to it
+        log_config=None,  # keep the JSON root handler of common/logging.py; uvicorn's loggers propagate to it
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **uvicorn_options(http_limits_from_args(args)),
     )

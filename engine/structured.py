@@ -53,8 +53,8 @@ import llguidance
 import numpy as np
 import torch
 
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.response_format import close_objects, parse_response_format
-from tokenweir.engine.tokenizer import Tokenizer
 
 # Compact JSON: no whitespace outside strings, no spaces after separators.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}

@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 import yaml
 
-from tokenweir.gateway.server.door_limits import HttpLimits
+from tokenweir.common.http.door_limits import HttpLimits
 from tokenweir.policies.pricing import Prices, price_error
 from tokenweir.policies.routing import RouteParams
 
@@ -241,7 +241,7 @@ class GatewayConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
     # The gateway's HTTP server, per connection: head size, field count and deadline, body pauses, idle
-    # keep-alive, open connections per process (gateway/server/door_limits.py).
+    # keep-alive, open connections per process (common/http/door_limits.py).
     http: HttpLimits = field(default_factory=HttpLimits)
     default_max_tokens: int = 1024  # when neither the request nor the team's cap says
     max_body_bytes: int = 4 * 1024 * 1024

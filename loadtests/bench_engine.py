@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loadtests import llama_server  # noqa: E402
-from tokenweir.engine.config import default_model_path  # noqa: E402
+from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
 CONCURRENCY = 16
 

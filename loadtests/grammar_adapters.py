@@ -10,8 +10,8 @@ import json
 
 
 def load_tokenizer():
-    from tokenweir.engine.config import default_model_path
-    from tokenweir.engine.tokenizer import Tokenizer
+    from tokenweir.common.text.model_files import default_model_path
+    from tokenweir.common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_model_path())
 

@@ -56,4 +56,4 @@ elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
 else
     echo "setup: WARNING: ${missing[*]} missing and apt-get unavailable (not root?); the lab tests that need them will skip"
 fi
-echo "setup done: $(.venv/bin/python -c 'import torch, engine; print("torch", torch.__version__)')"
+echo "setup done: $(.venv/bin/python -c 'import torch, tokenweir.engine; print("torch", torch.__version__)')"

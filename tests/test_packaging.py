@@ -26,7 +26,8 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.serve_thread import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_FOLDERS = ("gateway", "policies", "engine", "kernels", "migrations")  # each installed as tokenweir.<name>
+# each installed as tokenweir.<name>
+PACKAGE_FOLDERS = ("gateway", "policies", "common", "engine", "kernels", "migrations")
 pytestmark = pytest.mark.slow
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from loadtests.fake_upstream import free_port
 from tests.serve_process import serve_process
-from tokenweir.engine.flags import API_KEY_ENV
+from tokenweir.common.engine_flags import API_KEY_ENV
 from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.store.store import Store
 

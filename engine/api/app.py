@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenweir.common.http.request_id import request_id_from
 from tokenweir.engine.api.auth import ApiKeyMiddleware
 from tokenweir.engine.api.errors import add_error_handlers
 from tokenweir.engine.api.routes import router
 from tokenweir.engine.async_engine import AsyncEngine
-
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
@@ -42,9 +39,9 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
 
 class RequestIdMiddleware:
-    """Takes a sane `X-Request-Id` (else makes a uuid), stores it in scope state and echoes it on the response; the
-    engine runs the request under that id, so POST /abort can name it. Pure ASGI on purpose: BaseHTTPMiddleware
-    would sit between a stream and its disconnect."""
+    """Takes a sane `X-Request-Id` (the gateway's rule, common/http/request_id.py; else makes a uuid), stores it in
+    scope state and echoes it on the response; the engine runs the request under that id, so POST /abort can name it.
+    Pure ASGI on purpose: BaseHTTPMiddleware would sit between a stream and its disconnect."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -53,7 +50,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        request_id = request_id_from(given, prefix="")
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:

@@ -12,8 +12,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenweir.engine.flags import API_KEY_ENV
-from tokenweir.gateway.server.errors import APIError
+from tokenweir.common.engine_flags import API_KEY_ENV
+from tokenweir.common.http.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes: a load balancer and Prometheus hold no key
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.protocol import ChatCompletionRequest, CompletionRequest
 from tokenweir.engine.responses import (
@@ -27,7 +28,6 @@ from tokenweir.engine.responses import (
     TopLogprob,
 )
 from tokenweir.engine.sequence import TokenLogprob
-from tokenweir.engine.tokenizer import Tokenizer
 
 
 def _tool_call_id() -> str:

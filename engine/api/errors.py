@@ -1,6 +1,6 @@
 """Every error the engine's API answers, in OpenAI's shape: `{"error": {message, type, param, code}}`.
 
-`APIError` is the one error type the API layer raises, the gateway's own (gateway/server/errors.py: torch-free, so both
+`APIError` is the one error type the API layer raises, the gateway's own (common/http/errors.py: torch-free, so both
 halves share it); `to_api_error` maps the engine's own exceptions onto it, so a JSON response (one exception handler per
 type) and an error event inside an SSE stream say the same thing. A body that fails its schema is worded by the
 gateway's `validation_error`, in the engine's codes ('invalid_request') and params ('messages[0].role'). Bad input is
@@ -16,9 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenweir.common.http.errors import APIError
+from tokenweir.common.http.validation import validation_error
 from tokenweir.engine.async_engine import EngineDeadError
 from tokenweir.engine.llm_engine import RequestError, RequestFailed
-from tokenweir.gateway.server.errors import APIError, validation_error
 
 __all__ = ["APIError", "add_error_handlers", "to_api_error"]
 

@@ -14,8 +14,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenweir.common.http.disconnect import wait_disconnect
+from tokenweir.common.text import prefix_hash
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.api.choices import ChatRenderer, CompletionRenderer
-from tokenweir.engine.api.disconnect import wait_for_disconnect
 from tokenweir.engine.api.errors import APIError
 from tokenweir.engine.api.streaming import stream_response
 from tokenweir.engine.async_engine import AsyncEngine, RequestStream
@@ -39,8 +41,6 @@ from tokenweir.engine.responses import (
     Usage,
     dump_response,
 )
-from tokenweir.engine.tokenizer import Tokenizer
-from tokenweir.policies import prefix_hash
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -151,7 +151,7 @@ MAX_EVICTED_PER_POLL = 4096  # a poller further behind gets the newest ones and 
 @router.get("/load")
 async def load(engine: Engine, since: int | None = None, epoch: str | None = None) -> dict:
     """Queues, KV usage and the prefix cache, for routers. `evicted_hashes`: the prefix-cache block hashes
-    (policies/prefix_hash.py) evicted after eviction number `since` of the log `epoch` (both as the poller's last
+    (common/text/prefix_hash.py) evicted after eviction number `since` of the log `epoch` (both as the poller's last
     answer gave them; a different epoch, an engine restart, counts as seeing nothing), so a router's index can forget
     them. Without `since`, none: a first poll learns `evicted_seq` and starts from there."""
     stats = engine.stats
@@ -273,7 +273,7 @@ async def collect(request: Request, stream: RequestStream, n: int = 1) -> list[R
         return totals
 
     work = asyncio.create_task(fold())
-    gone = asyncio.create_task(wait_for_disconnect(request.receive))
+    gone = asyncio.create_task(wait_disconnect(request.receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():

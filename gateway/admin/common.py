@@ -13,8 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from tokenweir.common.http.errors import APIError, error_response
+from tokenweir.common.http.validation import validation_error
 from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
-from tokenweir.gateway.server.errors import APIError, error_response, validation_error
 from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Conflict, NotFound, Team

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
+from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.common import (
     OpenAIErrorRoute,
     TeamId,
@@ -18,7 +19,6 @@ from tokenweir.gateway.admin.common import (
     team_or_404,
 )
 from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, KeyCreate, KeyCreated, KeyLimitsBody, KeyList, KeyOut
-from tokenweir.gateway.server.errors import APIError
 from tokenweir.gateway.server.services import Services, ServicesDep
 
 KeyId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="The key's id. " + ID_DOC)]

@@ -12,6 +12,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
 
+from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.common import (
     OpenAIErrorRoute,
     TeamId,
@@ -36,8 +37,7 @@ from tokenweir.gateway.admin.models import (
     UsageOut,
     UsageTotals,
 )
-from tokenweir.gateway.auth.authenticator import require_admin
-from tokenweir.gateway.server.errors import APIError
+from tokenweir.gateway.server.callers import require_admin
 from tokenweir.gateway.server.services import Services, ServicesDep
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.policies.budget import DAY, MONTH, period_start_day

@@ -1,1 +1,1 @@
-"""Who is calling: API keys (hashed) and the principal a request runs as."""
+"""Who is calling: an API key looked up (through a short cache) as the principal a request runs as."""

@@ -12,12 +12,8 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from fastapi import Depends, Request
-
-from tokenweir.gateway.auth import keys
-from tokenweir.gateway.request.context import request_scope
-from tokenweir.gateway.server.errors import APIError
-from tokenweir.gateway.server.services import ServicesDep
+from tokenweir.common.http.errors import APIError
+from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import ApiKey, Store, Team
 
@@ -38,7 +34,7 @@ class Principal:
         return self.key.limits is None or self.key.limits.allows_model(model)
 
 
-def _invalid(message: str) -> APIError:
+def invalid_key(message: str) -> APIError:
     return APIError(401, message, "invalid_api_key")
 
 
@@ -62,22 +58,22 @@ class Authenticator:
 
     async def authenticate(self, secret: str | None) -> Principal:
         if not secret:
-            raise _invalid(
+            raise invalid_key(
                 "You didn't provide an API key. Pass it in the Authorization header: 'Authorization: Bearer tw-...'."
             )
         if not keys.is_well_formed(secret):
-            raise _invalid("Malformed API key: tokenweir keys are 'tw-' followed by 43 URL-safe characters.")
+            raise invalid_key("Malformed API key: tokenweir keys are 'tw-' followed by 43 URL-safe characters.")
         key, team = await self._lookup(secret)
         shown = keys.masked(secret)
         if key is None:
-            raise _invalid(f"Incorrect API key provided: {shown}. Ask your gateway admin for a valid key.")
+            raise invalid_key(f"Incorrect API key provided: {shown}. Ask your gateway admin for a valid key.")
         if key.revoked_at is not None:
-            raise _invalid(f"The API key {shown} was revoked at {key.revoked_at}.")
+            raise invalid_key(f"The API key {shown} was revoked at {key.revoked_at}.")
         if key.is_expired(datetime.now(UTC)):  # checked on every call, not cached: expiry is exact
-            raise _invalid(f"The API key {shown} expired at {key.expires_at}.")
+            raise invalid_key(f"The API key {shown} expired at {key.expires_at}.")
         if key.team_id is not None:
             if team is None:  # deleted between the two reads
-                raise _invalid(f"Incorrect API key provided: {shown}. Its team no longer exists.")
+                raise invalid_key(f"Incorrect API key provided: {shown}. Its team no longer exists.")
             if not team.enabled:
                 raise APIError(403, f"Team '{team.name}' is disabled; ask your gateway admin.", "team_disabled")
         return Principal(key=key, team=team)
@@ -124,28 +120,3 @@ class Authenticator:
         key = self.store.find_key(secret)
         team = self.store.get_team(key.team_id) if key is not None and key.team_id is not None else None
         return key, team
-
-
-def bearer_secret(request: Request) -> str | None:
-    """The key from 'Authorization: Bearer <key>' (OpenAI SDKs) or 'x-api-key' (some other clients)."""
-    header = request.headers.get("authorization")
-    if header:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "bearer" or not value.strip():
-            raise _invalid("Malformed Authorization header: expected 'Authorization: Bearer tw-...'.")
-        return value.strip()
-    return request.headers.get("x-api-key")
-
-
-async def require_key(request: Request, services: ServicesDep) -> Principal:
-    """FastAPI dependency: any valid key. Also noted in the request's scope, for the event of a request refused
-    after auth but before admission."""
-    principal = await services.authenticator.authenticate(bearer_secret(request))
-    request_scope(request).principal = principal
-    return principal
-
-
-async def require_admin(principal: Principal = Depends(require_key)) -> Principal:
-    if not principal.key.is_admin:
-        raise APIError(403, "This endpoint needs an admin API key.", "admin_required")
-    return principal

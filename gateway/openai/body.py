@@ -1,5 +1,5 @@
 """Request bodies in: parse once with orjson, bound the nesting depth, validate against a schema, and word every
-refusal as OpenAI does (`validation_error`, gateway/server/errors.py: the wording the admin and engine APIs share).
+refusal as OpenAI does (`validation_error`, common/http/errors.py: the wording the admin and engine APIs share).
 
 Every refusal is an OpenAI-style 400 whose `param` is the field as a dotted path ('messages.0.content.0.text'), never
 a 500. The dict that goes upstream is the client's own, untouched. The schemas themselves live in gateway.openai.schema.
@@ -10,24 +10,16 @@ from __future__ import annotations
 import threading
 
 import orjson
-from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
 
-from tokenweir.gateway.request.context import request_scope
-from tokenweir.gateway.server.errors import APIError, validation_error
+from tokenweir.common.http.errors import APIError
+from tokenweir.common.http.validation import validation_error
 
 # Deepest JSON accepted, objects and arrays counted (the body itself is level 1). orjson.loads refuses past 1024
 # levels, but the body goes upstream re-encoded and orjson.dumps stops at 255: refuse clearly here, far below both.
 MAX_DEPTH = 64
 
 # --- parsing ----------------------------------------------------------------------------------------------------
-
-
-async def parse_body(request: Request, schema: TypeAdapter) -> dict:
-    raw = await request.body()
-    data = orjson_body(raw)
-    request_scope(request).model = data.get("model")  # for the event of a request refused before admission
-    return check_body(data, raw, schema)
 
 
 def orjson_body(raw: bytes) -> dict:

@@ -1,14 +1,15 @@
 """A request's prompt token ids as our engine will compute them, for prefix routing: the pool's tokenizer (the one
 gateway/openai/token_count.py loads for exact counts, loaded once and shared) and the engine's own steps
-(engine/api/routes.py encode_chat / encode_text, engine/protocol.py ChatMessage.to_template). None where they cannot be
-had (the pool names no tokenizer, the tokenizer is not installed, the template refuses the messages): the router then
-goes by load.
+(engine/api/routes.py encode_chat / encode_text; the message join of common/text/chat_text.py). None where they
+cannot be had (the pool names no tokenizer, the tokenizer is not installed, the template refuses the messages): the
+router then goes by load.
 """
 
 from __future__ import annotations
 
 import logging
 
+from tokenweir.common.text.chat_text import template_message
 from tokenweir.gateway.openai.token_count import _load
 
 log = logging.getLogger("tokenweir.routing")
@@ -16,22 +17,10 @@ log = logging.getLogger("tokenweir.routing")
 
 def _tokenizer(path: str):
     if path == "default":
-        from tokenweir.engine.config import default_model_path  # torch-free
+        from tokenweir.common.text.model_files import default_model_path  # torch-free
 
         path = default_model_path()
     return _load(path)
-
-
-def _template_message(m: dict) -> dict:
-    """engine/protocol.py ChatMessage.to_template, on the raw dict."""
-    content = m.get("content")
-    if isinstance(content, list):
-        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    msg: dict = {"role": m.get("role", "user"), "content": content or ""}
-    for key in ("name", "tool_calls", "tool_call_id"):
-        if m.get(key) is not None:
-            msg[key] = m[key]
-    return msg
 
 
 def prompt_token_ids(tokenizer_path: str | None, kind: str, body: dict) -> list[int] | None:
@@ -46,7 +35,7 @@ def prompt_token_ids(tokenizer_path: str | None, kind: str, body: dict) -> list[
     try:
         tok = _tokenizer(tokenizer_path)
         if kind == "chat":
-            messages = [_template_message(m) for m in body.get("messages") or []]
+            messages = [template_message(m) for m in body.get("messages") or []]
             return tok.encode_chat(messages, body.get("add_generation_prompt", True) is not False)
         if isinstance(prompt, str):
             ids = tok.encode(prompt)

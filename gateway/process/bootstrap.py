@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tokenweir.gateway.auth import keys
+from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.store import Conflict, Store
 
 DEMO_TEAM = "demo"

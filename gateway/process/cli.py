@@ -3,7 +3,7 @@
 `serve` starts one engine child (`--engines 1`, the default), or N supervised ones as one pool (`--engines N`,
 `engine.replicas`; gateway/process/engines.py), then runs the gateway in this process, or in N worker processes on
 one port (`--workers N`, `workers`; gateway/process/workers.py). Arguments are parsed before anything heavy is
-imported (uvicorn, the app; torch only for `engine`)."""
+imported (uvicorn, the app); `engine` replaces this process with `python -m tokenweir.engine.server`."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
-        from tokenweir.engine.server import main as engine_main  # lazy: torch and the model load only for this command
-
-        return engine_main(argv[1:])
+        # By command, not by import: the gateway never imports the engine (nor torch). exec keeps the pid, so a
+        # supervisor's signals reach the engine itself.
+        os.execv(sys.executable, [sys.executable, "-m", "tokenweir.engine.server", *argv[1:]])
     parser = argparse.ArgumentParser(prog="tokenweir", description="multi-tenant OpenAI-compatible gateway")
     parser.add_argument("--version", action="version", version=f"tokenweir {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,7 +117,7 @@ def load_config_or_exit(path: str | None, env: dict[str, str] | None = None) -> 
 
 
 def serve_forever(config: GatewayConfig) -> None:
-    from tokenweir.gateway.logging import configure
+    from tokenweir.common.logging import configure
     from tokenweir.gateway.process.engines import EngineReplicas, start_engine, stop_engine
 
     configure(config.log_level)
@@ -223,7 +223,7 @@ def open_gateway(config: GatewayConfig, bind: bool = False):
 def gateway_server(config: GatewayConfig, app):
     import uvicorn
 
-    from tokenweir.gateway.server.door_limits import uvicorn_options
+    from tokenweir.common.http.door_limits import uvicorn_options
 
     # uvicorn installs its own SIGTERM handler: a graceful shutdown that runs the lifespan exit, which flushes usage
     # and events. The workers of `serve --workers N` are built here too, so they get the same `http:` limits.
@@ -233,6 +233,7 @@ def gateway_server(config: GatewayConfig, app):
             host=config.host,
             port=config.port,
             log_level="warning",
+            log_config=None,  # its loggers propagate to the JSON root handler of common/logging.py
             access_log=config.access_log,
             timeout_graceful_shutdown=config.shutdown_grace_s,
             **uvicorn_options(config.http),

@@ -20,12 +20,12 @@ import subprocess
 import sys
 import time
 
+from tokenweir.common.engine_flags import API_KEY_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, parse_size
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig
 
 
 def model_path_of(ec: BundledEngineConfig) -> str:
-    from tokenweir.engine.config import default_model_path
-
     try:
         return ec.model_path or default_model_path()
     except FileNotFoundError as e:
@@ -44,17 +44,13 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
     if threads:
         cmd += ["--num-threads", str(max(1, threads // n))]
     if ec.kv_cache_memory:
-        from tokenweir.engine.server import parse_size  # torch-free
-
         try:
             total = parse_size(ec.kv_cache_memory)
         except argparse.ArgumentTypeError as e:
             sys.exit(f"tokenweir: engine.kv_cache_memory: {e}")
         cmd += ["--kv-cache-memory", str(total // n)]
     if n > 1 or ec.gpu_memory_utilization is not None:  # each engine reads it as its own share of the GPU
-        from tokenweir.engine.config import EngineConfig  # torch-free
-
-        share = ec.gpu_memory_utilization or EngineConfig.gpu_memory_utilization
+        share = ec.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         cmd += ["--gpu-memory-utilization", f"{share / n:.4f}"]
     return cmd + ec.extra_args
 
@@ -62,8 +58,6 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
 def engine_key(ec: BundledEngineConfig) -> str:
     """The children's API key: an `--api-key` in engine.extra_args (it would win over the env), else the one in
     `serve`'s own env (an operator who wants to call the engines directly), else a fresh one for this start."""
-    from tokenweir.engine.flags import API_KEY_ENV  # torch-free
-
     args = ec.extra_args
     for i, arg in enumerate(args):
         if arg == "--api-key" and i + 1 < len(args):
@@ -74,8 +68,6 @@ def engine_key(ec: BundledEngineConfig) -> str:
 
 
 def engine_env(key: str) -> dict[str, str]:
-    from tokenweir.engine.flags import API_KEY_ENV
-
     return {**os.environ, API_KEY_ENV: key}
 
 
@@ -248,7 +240,7 @@ class EngineReplicas:
         return inst.name if inst is not None else self.name(index)
 
     def on_exit(self, child) -> None:
-        from tokenweir.gateway.logging import get_logger
+        from tokenweir.common.logging import get_logger
 
         name = self._label(child.index)
         get_logger("tokenweir.supervisor").warning(
@@ -273,7 +265,7 @@ class EngineReplicas:
             flush=True,
         )
         if child.restarts:
-            from tokenweir.gateway.logging import get_logger
+            from tokenweir.common.logging import get_logger
 
             get_logger("tokenweir.supervisor").info(
                 "engine_restarted", upstream=self._label(child.index), pid=child.proc.pid, restarts=child.restarts

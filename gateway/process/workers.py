@@ -109,7 +109,7 @@ class GatewayWorkers:
         raise SystemExit(128 + got[0])
 
     def on_exit(self, child) -> None:
-        from tokenweir.gateway.logging import get_logger
+        from tokenweir.common.logging import get_logger
 
         get_logger("tokenweir.workers").warning(
             "gateway_worker_exited",
@@ -122,7 +122,7 @@ class GatewayWorkers:
 
     def on_start(self, child) -> None:
         if child.restarts:
-            from tokenweir.gateway.logging import get_logger
+            from tokenweir.common.logging import get_logger
 
             get_logger("tokenweir.workers").info(
                 "gateway_worker_restarted", worker=child.index, pid=child.proc.pid, restarts=child.restarts
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda s, _frame: sys.exit(128 + s))
     import structlog
 
-    from tokenweir.gateway.logging import configure
+    from tokenweir.common.logging import configure
     from tokenweir.gateway.process.cli import gateway_server, load_config_or_exit
     from tokenweir.gateway.server.app import create_app
 

@@ -21,17 +21,17 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenweir.common.http.disconnect import wait_disconnect
+from tokenweir.common.http.errors import APIError
+from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
-from tokenweir.gateway.logging import get_logger
 from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext, request_scope
-from tokenweir.gateway.request.disconnect import wait_disconnect
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.request.settle import Settler
-from tokenweir.gateway.server.errors import APIError
 from tokenweir.gateway.state.memory import InMemoryState, StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.http1 import HTTP1Pool

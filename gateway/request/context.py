@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenweir.common.http.request_id import request_id_from
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class RequestScope:
 
     request_id: str
     t0: float  # time.perf_counter() at arrival
-    principal: Principal | None = None  # set by auth.require_key
+    principal: Principal | None = None  # set by server.callers.require_key
     model: object = None  # the body's "model" as sent (maybe not a string): set by body.parse_body
     accounted: bool = False  # admission took the request: settle writes its event, not the refusal path
 
@@ -55,7 +55,7 @@ def request_scope(conn: HTTPConnection) -> RequestScope:
     here, on first use."""
     record = conn.scope.get(_SCOPE_KEY)
     if record is None:
-        record = open_scope(conn.scope, new_request_id(None))
+        record = open_scope(conn.scope, request_id_from(None))
     return record
 
 
@@ -158,11 +158,3 @@ def clip(value: str | None) -> str | None:
     if isinstance(value, str) and len(value) > MAX_CLIENT_STRING:
         return value[:MAX_CLIENT_STRING] + "..."
     return value
-
-
-def new_request_id(client_value: str | None) -> str:
-    """Honour a client's X-Request-Id when it is sane (short, printable, no spaces); else mint one."""
-    sane = client_value and len(client_value) <= 128 and client_value.isascii() and client_value.isprintable()
-    if sane and " " not in client_value:
-        return client_value
-    return "req-" + uuid.uuid4().hex

@@ -13,6 +13,7 @@ import uuid
 
 from fastapi.responses import Response
 
+from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
@@ -20,7 +21,6 @@ from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
-from tokenweir.gateway.server.errors import APIError
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from tokenweir.gateway.logging import get_logger
+from tokenweir.common.logging import get_logger
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json

@@ -14,8 +14,8 @@ import contextlib
 import orjson
 from starlette.responses import Response
 
-from tokenweir.gateway.logging import get_logger
-from tokenweir.gateway.request.disconnect import wait_disconnect
+from tokenweir.common.http.disconnect import wait_disconnect
+from tokenweir.common.logging import get_logger
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError, request_json
 from tokenweir.gateway.upstream.http1 import Response as UpstreamResponse
 from tokenweir.gateway.upstream.pools import Hop

@@ -18,14 +18,14 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from tokenweir.common.http.errors import APIError
+from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.logging import get_logger
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext, clip, request_scope
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
-from tokenweir.gateway.server.errors import APIError
 from tokenweir.gateway.state.memory import StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.http1 import HTTP1Pool

@@ -21,19 +21,21 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tokenweir.common.http.errors import APIError, api_error_handler, error_response
+from tokenweir.common.http.request_id import request_id_from
+from tokenweir.common.http.validation import validation_error
+from tokenweir.common.logging import bind_request, clear_request, ensure_configured, get_logger
 from tokenweir.gateway.accounting.events import EventWriter, replay_after
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import GatewayConfig
-from tokenweir.gateway.logging import bind_request, clear_request, ensure_configured, get_logger
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.admission import Admission
-from tokenweir.gateway.request.context import new_request_id, open_scope, request_scope
+from tokenweir.gateway.request.context import open_scope, request_scope
 from tokenweir.gateway.request.inflight import recover
 from tokenweir.gateway.request.queue import DispatchQueue
-from tokenweir.gateway.server.errors import APIError, api_error_handler, error_response, validation_error
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
 from tokenweir.gateway.server.services import Services, get_services
@@ -260,7 +262,7 @@ class RequestMiddleware:
                 client_id = v.decode("latin-1")
             elif k == b"content-length":
                 length = int(v) if v.isdigit() else None
-        request_id = new_request_id(client_id)
+        request_id = request_id_from(client_id)
         open_scope(scope, request_id)
         rid_header = (b"x-request-id", request_id.encode())
         started = False

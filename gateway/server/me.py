@@ -8,8 +8,8 @@ reserve: a limit set a moment ago shows what is left of it at once. A key's spen
 
 from __future__ import annotations
 
+from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.auth.authenticator import Principal
-from tokenweir.gateway.server.errors import APIError
 from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.policies.limits import KeyLimits

@@ -16,8 +16,8 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenweir.gateway.auth.authenticator import bearer_secret
-from tokenweir.gateway.server.errors import APIError, error_response
+from tokenweir.common.http.errors import APIError, error_response
+from tokenweir.gateway.server.callers import bearer_secret
 from tokenweir.gateway.server.services import ServicesDep
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.gateway.store.db import DB_ERRORS

@@ -14,11 +14,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.models import ErrorBody
-from tokenweir.gateway.auth.authenticator import Principal, require_key
-from tokenweir.gateway.openai.body import parse_body
+from tokenweir.gateway.auth.authenticator import Principal
+from tokenweir.gateway.openai.body import check_body, orjson_body
 from tokenweir.gateway.openai.schema import CHAT, COMPLETION, EMBEDDING
-from tokenweir.gateway.server.errors import APIError
+from tokenweir.gateway.request.context import request_scope
+from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.me import key_info
 from tokenweir.gateway.server.services import ServicesDep
 
@@ -139,6 +141,13 @@ def _inference_doc(schema: TypeAdapter, answer: type[BaseModel], stream: bool = 
 
 
 # --- routes -----------------------------------------------------------------------------------------------------
+
+
+async def parse_body(request: Request, schema: TypeAdapter) -> dict:
+    raw = await request.body()
+    data = orjson_body(raw)
+    request_scope(request).model = data.get("model")  # for the event of a request refused before admission
+    return check_body(data, raw, schema)
 
 
 @router.post("/v1/chat/completions", summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))

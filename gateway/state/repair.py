@@ -20,8 +20,8 @@ import asyncio
 import time
 import uuid
 
+from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.usage import UsageRecorder
-from tokenweir.gateway.logging import get_logger
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend

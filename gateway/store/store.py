@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from tokenweir.gateway.auth import keys
+from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.db import (
     MIGRATIONS_DIR,
     Db,

@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenweir.common.logging import get_logger
+from tokenweir.common.text import prefix_hash
 from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.logging import get_logger
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
-from tokenweir.policies import prefix_hash, routing
+from tokenweir.policies import routing
 
 if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics

@@ -14,8 +14,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The real SmolLM2 tokenizer, read from the GGUF once for the session (the file's vocab takes seconds to parse)."""
-    from tokenweir.engine.config import default_model_path
-    from tokenweir.engine.tokenizer import Tokenizer
+    from tokenweir.common.text.model_files import default_model_path
+    from tokenweir.common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_model_path())
 
@@ -26,7 +26,7 @@ def smollm2_hf_float32():
     (gguf's numpy dequantizer) is slow, so one for the session; its users only run it."""
     from transformers import AutoModelForCausalLM
 
-    from tokenweir.engine.config import default_model_path
+    from tokenweir.common.text.model_files import default_model_path
 
     directory, file = default_model_path().rsplit("/", 1)
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32).eval()

@@ -4,7 +4,7 @@ many lengths, alone and all batched together with small prefill chunks, prefix c
 import pytest
 import torch
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.sampling_params import SamplingParams

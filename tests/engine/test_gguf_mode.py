@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.gguf_blocks import BLOCK_BYTES
 from tokenweir.engine.linear import Int8Linear, Q4Linear
 from tokenweir.engine.llm import LLM

@@ -1,24 +1,24 @@
 """What GET /load tells routers about the prefix cache: block size, cached blocks, and the hashes evicted since a
-poller's last look, in the hash chain the gateway computes itself (policies/prefix_hash.py)."""
+poller's last look, in the hash chain the gateway computes itself (common/text/prefix_hash.py)."""
 
 import subprocess
 import sys
 
 from tests.engine.test_server import serve
+from tokenweir.common.text.prefix_hash import block_hashes, probe
 from tokenweir.engine.block_manager import BlockManager
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.sampling_params import SamplingParams
 from tokenweir.engine.sequence import Sequence
 from tokenweir.engine.stats import PrefixCacheLog
-from tokenweir.policies.prefix_hash import block_hashes, probe
 
 TOKENS = list(range(100, 150))
 
 
 def test_block_hashes_are_stable_across_processes():
     code = (
-        "from tokenweir.policies.prefix_hash import block_hashes as b, probe;"
+        "from tokenweir.common.text.prefix_hash import block_hashes as b, probe;"
         "print(b(list(range(100, 150)), 16), probe(16))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("]")

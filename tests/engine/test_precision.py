@@ -4,7 +4,7 @@ engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model
 import pytest
 import torch
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.loader import load_model_weights
 from tokenweir.engine.model import LlamaForCausalLM

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.linear import Int8Linear, Q4Linear
 from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
 from tokenweir.engine.model import LlamaForCausalLM

@@ -18,9 +18,9 @@ import torch
 import uvicorn
 
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.common.engine_flags import parse_size
 from tokenweir.engine.async_engine import AsyncEngine, EngineThread
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.flags import parse_size
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""The engine server's door (gateway/server/door_limits.py flags on `python -m engine.server`), on a tiny random Llama
+"""The engine server's door (common/http/door_limits.py flags on `python -m engine.server`), on a tiny random Llama
 in a real process on a free port, with raw sockets: the same head, body and keep-alive bounds as the gateway's."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tests.door_client import (
     trickle,
 )
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.common.http.door_limits import http_limits_from_args
 from tokenweir.engine.flags import parse_args
-from tokenweir.gateway.server.door_limits import http_limits_from_args
 
 FLAGS = ["--header-timeout", "1", "--body-timeout", "1", "--timeout-keep-alive", "1", "--max-header-fields", "20"]
 FLAGS += ["--max-body-bytes", "64KiB"]

@@ -10,11 +10,11 @@ import openai
 import pytest
 import uvicorn
 
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.async_engine import AsyncEngine
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.server import KEEP_ALIVE_S, build_app
-from tokenweir.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

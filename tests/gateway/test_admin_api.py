@@ -8,13 +8,14 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 
+from tokenweir.common.http.errors import APIError, api_error_handler
 from tokenweir.gateway.admin.teams import router
-from tokenweir.gateway.auth import keys
-from tokenweir.gateway.auth.authenticator import Authenticator, Principal, require_key
+from tokenweir.gateway.auth.authenticator import Authenticator, Principal
 from tokenweir.gateway.process.bootstrap import ensure_bootstrap
-from tokenweir.gateway.server.errors import APIError, api_error_handler
+from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.store import Store, UsageRow
 from tokenweir.policies.limits import TeamLimits
 

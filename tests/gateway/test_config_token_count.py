@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.gateway.openai.token_count import TokenCounter, estimate_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_estimate_loads_no_tokenizer_and_no_engine():
         "import sys; from tokenweir.gateway.openai.token_count import TokenCounter; c = TokenCounter(None);"
         "n = c.count_chat([{'role': 'user', 'content': 'hello world'}]);"
         "assert not c.exact and c.tokenizer is None and n > 0, n;"
-        "heavy = ('tokenweir.engine.tokenizer', 'tokenweir.engine.model', 'torch', 'gguf', 'numpy');"
+        "heavy = ('tokenweir.common.text.tokenizer', 'tokenweir.engine.model', 'torch', 'gguf', 'numpy');"
         "bad = [m for m in heavy if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -1,4 +1,4 @@
-"""The gateway's door (gateway/server/door_limits.py, gateway/server/door.py) against a real `tokenweir serve` process
+"""The gateway's door (common/http/door_limits.py, common/http/door.py) against a real `tokenweir serve` process
 on a free port, with raw sockets: heads bounded in bytes, fields and time, bodies that must keep arriving, idle
 connections closed, open connections capped; and the same limits under uvicorn's h11 parser."""
 
@@ -25,9 +25,9 @@ from tests.door_client import (
 )
 from tests.serve_process import serve_process
 from tests.serve_thread import ServerThread
+from tokenweir.common.http.door import protocol_class
+from tokenweir.common.http.door_limits import HttpLimits, uvicorn_options
 from tokenweir.gateway.config import load_config
-from tokenweir.gateway.server.door import protocol_class
-from tokenweir.gateway.server.door_limits import HttpLimits, uvicorn_options
 
 # Short timeouts, so that what must be cut is cut within a test's patience.
 HTTP = {"header_timeout_s": 1, "body_timeout_s": 1, "keep_alive_s": 1, "max_header_fields": 20}

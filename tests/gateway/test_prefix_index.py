@@ -1,7 +1,7 @@
 """The gateway's prefix index: leading-run matches, forgetting, and its bound."""
 
+from tokenweir.common.text.prefix_hash import block_hashes
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
-from tokenweir.policies.prefix_hash import block_hashes
 
 
 def test_match_counts_the_leading_run_per_instance():

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tokenweir.common.text.prefix_hash import block_hashes, probe
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.upstream.pools import Upstreams, forget_evicted
-from tokenweir.policies.prefix_hash import block_hashes, probe
 
 TEAM = list(range(200)) + [7, 8, 9]
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from tests.gateway.store_fixtures import open_store, pg_schema_url
-from tokenweir.gateway.auth import keys
+from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.db import DB_ERRORS, split_sql
 from tokenweir.gateway.store.store import Conflict, NotFound, Store, UsageRow
 from tokenweir.gateway.store.usage import KeyUsageRow

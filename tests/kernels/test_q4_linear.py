@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-from tokenweir.engine.config import default_model_path
+from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.gguf_blocks import GGUFBlocks, dequantize_q4_1, pack_q4_1, q4_1_fields, q8_0_fields
 from tokenweir.engine.linear import DenseLinear, Int8Linear, Q4Linear, make_linear
 from tokenweir.kernels.cpu_ops import q4_1_dequantize, q4_1_linear

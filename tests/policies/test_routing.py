@@ -3,8 +3,8 @@ strategies."""
 
 import pytest
 
+from tokenweir.common.text.prefix_hash import block_hashes
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
-from tokenweir.policies.prefix_hash import block_hashes
 from tokenweir.policies.routing import Candidate, RouteParams, rank
 
 PARAMS = RouteParams()

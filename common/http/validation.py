@@ -1,9 +1,5 @@
-"""OpenAI-shaped errors: every failure a client sees is `{"error": {message, type, param, code}}`.
-
-The engine's API answers with this same `APIError` (engine/api/errors.py imports it): this module needs neither torch
-nor anything else of the gateway, so both halves share one error shape. `validation_error` words a body that fails its
-schema, the same for the gateway's API, its admin API and the engine's (each keeping the codes its clients read).
-"""
+"""A request body that fails its schema, worded once for the gateway's API, its admin API and the engine's API (each
+keeping the codes its clients read): the first pydantic error becomes an OpenAI 400 naming the field."""
 
 from __future__ import annotations
 
@@ -11,63 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
-# HTTP status -> OpenAI's error.type for that status.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
-
-
-class APIError(Exception):
-    """Raised anywhere in the gateway or the engine's API; rendered as an OpenAI error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str | None = None,
-        param: str | None = None,
-        *,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return err.response()
-
-
-async def api_error_handler(_request: Request, err: APIError) -> JSONResponse:
-    return error_response(err)
-
-
-# --- a request that fails its schema: one wording for the gateway's API, its admin API and the engine's API ------
+from tokenweir.common.http.errors import APIError
 
 _EXPECTED = {
     "int_type": "an integer",

@@ -21,7 +21,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tokenweir.gateway.server.door_limits import HttpLimits
+from tokenweir.common.http.door_limits import HttpLimits
 
 try:
     import httptools

@@ -1,6 +1,6 @@
 """What one HTTP connection may cost the gateway's and the engine's servers before their app sees a request: the
 limits (`HttpLimits`, the gateway's `http:` config section and the engine's flags) and the uvicorn options that
-enforce them (the protocol classes themselves are gateway/server/door.py, imported only when a server starts).
+enforce them (the protocol classes themselves are common/http/door.py, imported only when a server starts).
 
 Without them, uvicorn (httptools) buffers a request head of any size for as long as the client takes: a few
 never-ending headers fill the memory, and slow senders hold connections forever.
@@ -49,7 +49,7 @@ class HttpLimits:
 
 def uvicorn_options(limits: HttpLimits) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` / `uvicorn.run` that enforce `limits`."""
-    from tokenweir.gateway.server.door import protocol_class
+    from tokenweir.common.http.door import protocol_class
 
     return {
         "http": protocol_class(limits),
