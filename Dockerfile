@@ -18,6 +18,7 @@ COPY gateway gateway
 COPY engine engine
 COPY kernels kernels
 COPY policies policies
+COPY common common
 COPY migrations migrations
 
 # --- the engine: CPU torch by default (TORCH_INDEX picks a CUDA build), the [engine] extra, the default model
