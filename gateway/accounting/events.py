@@ -192,4 +192,6 @@ def read_events(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return []
-    return [orjson.loads(line) for line in p.read_bytes().splitlines() if line.strip()]
+    data = p.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]  # a line the writer is still appending has no newline yet: not an event
+    return [orjson.loads(line) for line in complete.splitlines() if line.strip()]
