@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 _TIMESTAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
 
-class _JsonHandler(logging.StreamHandler):
+class _JsonHandler(logging.StreamHandler[TextIO]):
     """The root handler `configure` installs (a class of its own, so a second call does not add another)."""
 
 
@@ -71,8 +73,10 @@ def _json_handler() -> logging.Handler:
     return handler
 
 
-def get_logger(name: str = "tokenweir.gateway"):
-    return structlog.get_logger(name)
+def get_logger(name: str = "tokenweir.gateway") -> FilteringBoundLogger:
+    # structlog.get_logger is typed Any; what it returns binds to the wrapper `_configure_structlog` installs
+    logger: FilteringBoundLogger = structlog.get_logger(name)
+    return logger
 
 
 bind_request = structlog.contextvars.bind_contextvars

@@ -102,7 +102,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-    reply: Callable[[RequestOutput | None], None]  # runs on the event loop with the final output, if known
+    reply: Callable[[RequestOutput | None], object]  # runs on the event loop with the final output, if known
 
 
 class EngineThread:
@@ -197,6 +197,12 @@ class AsyncEngine:
     def started(self) -> bool:
         return self._running is not None and not self._running.done()
 
+    @property
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop start() ran on, where streams live and replies go."""
+        assert self._loop is not None, "not started"
+        return self._loop
+
     def start(self) -> None:
         assert self._running is None, "already started"
         self._loop = asyncio.get_running_loop()
@@ -209,6 +215,7 @@ class AsyncEngine:
         if self._running is not None:
             with contextlib.suppress(TimeoutError):
                 self._running.result(timeout=10)
+            assert self._thread is not None  # start() set it with _running
             self._thread.shutdown()
 
     # --- called on the event loop -----------------------------------------------------------------------------------
@@ -233,7 +240,7 @@ class AsyncEngine:
         Its stream, if someone is reading it, receives that final output and ends."""
         if self.errored is not None or not self.started:
             return self._finished.get(request_id)  # nothing would ever answer the command
-        done = self._loop.create_future()
+        done = self._event_loop.create_future()
         self._send(_Abort(request_id, partial(_set_result, done)))
         return await done
 
@@ -288,11 +295,11 @@ class AsyncEngine:
                     if out.finished:
                         self._remember(out)
                 self.metrics.observe_step(self.engine.last_stats, time.monotonic())
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                self._event_loop.call_soon_threadsafe(self._deliver, outputs)
                 self._publish_stats()
         except BaseException as exc:  # a dead loop must fail every waiter, not hang them
             log.exception("engine step loop died")
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            self._event_loop.call_soon_threadsafe(self._fail_all, exc)
 
     def _run_commands(self) -> bool:
         """Apply the queued commands; False if there were none."""
@@ -317,8 +324,8 @@ class AsyncEngine:
                     self.metrics.observe_finished(seq, now)
                 out = outputs[-1]
                 self._remember(out)
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
-            self._loop.call_soon_threadsafe(command.reply, out)
+                self._event_loop.call_soon_threadsafe(self._deliver, outputs)
+            self._event_loop.call_soon_threadsafe(command.reply, out)
 
     def _add(self, command: _Add) -> None:
         try:
@@ -333,7 +340,7 @@ class AsyncEngine:
             ]
             outputs[-1].error = error
             self._remember(outputs[-1])
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.make_stats()

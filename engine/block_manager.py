@@ -100,6 +100,7 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+            assert block.hash is not None  # a block in cached_blocks keeps its hash
             seq.block_hashes.append(block.hash)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_free_block())

@@ -37,9 +37,10 @@ class GGUFBlocks:
 
 def concat_rows(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
     """One tensor of the parts' rows (a fused projection), or None where they are not all blocks of one format."""
-    if not parts or any(p is None for p in parts) or len({(p.kind, p.data.shape[1]) for p in parts}) != 1:
+    blocks = [p for p in parts if p is not None]
+    if not parts or len(blocks) != len(parts) or len({(p.kind, p.data.shape[1]) for p in blocks}) != 1:
         return None
-    return GGUFBlocks(parts[0].kind, torch.cat([p.data for p in parts]))
+    return GGUFBlocks(blocks[0].kind, torch.cat([p.data for p in blocks]))
 
 
 def _blocks(data: torch.Tensor, kind: str) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.output import RequestOutput
@@ -17,7 +19,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[list[int]] | list[str],
+        prompts: Sequence[list[int] | str],
         params: SamplingParams | list[SamplingParams],
         priorities=None,
     ) -> list[RequestOutput]:
@@ -25,7 +27,11 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = []
         for i, (prompt, given) in enumerate(zip(prompts, params_list, strict=True)):
-            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                assert self.engine.tokenizer is not None, "text prompts need a model with a tokenizer"
+                tokens = self.engine.tokenizer.encode(prompt)
+            else:
+                tokens = prompt
             request_params = SamplingParams(**vars(given))  # a copy: validate fills in max_tokens
             self.engine.validate(tokens, request_params)
             rid = f"offline-{self._next_id}"

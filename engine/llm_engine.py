@@ -315,11 +315,11 @@ class LLMEngine:
                 log.exception("request %s failed in its output", seq.group_id)
                 outputs += self.fail_request(seq.group_id, RequestFailed(f"the engine failed on this request: {exc!r}"))
         for seq_id, why in failed.items():
-            seq = self.sequences.get(seq_id)
-            if seq is not None:
-                log.warning("request %s: %s", seq.group_id, why)
+            failing = self.sequences.get(seq_id)
+            if failing is not None:
+                log.warning("request %s: %s", failing.group_id, why)
                 outputs += self.fail_request(
-                    seq.group_id, RequestError(why, code="invalid_response_format", param="response_format")
+                    failing.group_id, RequestError(why, code="invalid_response_format", param="response_format")
                 )
         self.last_stats = StepStats(
             num_generation_tokens=len(stepped),

@@ -128,6 +128,7 @@ class EngineMetrics:
         if stats.num_tokens:
             self.iteration_tokens.observe(stats.num_tokens)
         for seq in stats.first_tokens:
+            assert seq.first_token_time is not None  # stamped by the step that gave it the token
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
         if stats.num_generation_tokens and stats.step_seconds:
             # Every sequence that decoded this step waited one step for its token.

@@ -96,6 +96,7 @@ class DecoderLayer:
 
     def _fused_call(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         cfg, ops = self.config, self.fused
+        assert ops is not None  # __call__ comes here only with the fused kernels loaded
         qkv = self.qkv_proj(ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias

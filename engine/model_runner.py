@@ -7,6 +7,8 @@ position is computed once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tokenweir.engine.attention import AttentionMetadata
@@ -109,17 +111,16 @@ class ModelRunner:
             prefill_max_q=max((n for _, n in batch.prefills), default=0),
         )
         if self.device.type != "cpu":
-            meta = AttentionMetadata(
-                **{
-                    k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in vars(meta).items()
-                }
-            )
+            fields: dict[str, Any] = {
+                k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in vars(meta).items()
+            }
+            meta = AttentionMetadata(**fields)
         inputs = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        input_positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
         indices = logits_indices + prompt_indices
         self._logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
-        return inputs, pos, meta, sampled
+        return inputs, input_positions, meta, sampled
 
     def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
         """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
@@ -144,4 +145,6 @@ class ModelRunner:
     def _score_prompts(self, logits: torch.Tensor) -> None:
         rows = torch.log_softmax(logits.float(), dim=-1)
         for row, (seq, p) in zip(rows, self._prompt_rows, strict=True):
-            seq.prompt_logprobs.append(token_logprob(row, seq.token_ids[p + 1], seq.params.prompt_logprobs))
+            k = seq.params.prompt_logprobs
+            assert k is not None  # only a sequence that asked for prompt logprobs has rows here
+            seq.prompt_logprobs.append(token_logprob(row, seq.token_ids[p + 1], k))

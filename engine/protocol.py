@@ -211,6 +211,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _unhonoured(cls, value, info: ValidationInfo):
         if value is not None:
+            assert info.field_name is not None  # set for a field validator
             raise ValueError(f"unsupported field '{info.field_name}': {_UNSUPPORTED[info.field_name]}")
         return value
 
@@ -259,9 +260,11 @@ class ChatCompletionRequest(_SamplingRequest):
         """The response_format the output must follow: the client's, or the JSON schema of the tool call(s) asked
         for (vLLM's way of answering a forced tool choice without a tool-call parser)."""
         if self.tool_mode == "named":
+            assert self.tools is not None and isinstance(self.tool_choice, NamedToolChoice)  # what "named" means
             tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
             return _json_schema(tool.function.name, tool.function.parameters_schema())
         if self.tool_mode == "required":
+            assert self.tools is not None  # a tool mode implies tools
             calls = [
                 {
                     "type": "object",

@@ -5,6 +5,7 @@ Pure data in and out: no llguidance, no torch."""
 from __future__ import annotations
 
 import json
+from typing import cast
 
 
 def parse_response_format(spec: dict) -> tuple[str, dict | None]:
@@ -38,7 +39,8 @@ def close_objects(schema: dict) -> dict:
     """
     if "allOf" in json.dumps(schema):
         return schema
-    return _close(schema)
+    # _close maps a dict to a dict; its object signature serves the recursion over any JSON value.
+    return cast(dict, _close(schema))
 
 
 # Keywords whose values are schemas (only these are walked: enum/const/default values stay as written).

@@ -56,12 +56,12 @@ class Sampler:
         raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         self._apply_bias(logits, seqs)
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        matchers = [m for s in seqs if (m := s.matcher) is not None]  # row guided[k]'s is matchers[k]
         if guided:
-            self.structured.apply_masks(logits, guided, [seqs[i].matcher for i in guided], masks)
+            self.structured.apply_masks(logits, guided, matchers, masks)
         token_ids = self._sample(logits, seqs)
         failed: dict[int, str] = {}
-        for i in guided:
-            matcher = seqs[i].matcher
+        for i, matcher in zip(guided, matchers, strict=True):
             if not matcher.accept(token_ids[i]):
                 # A grammar past one of the parser's limits allows only a stop token, which it then refuses while
                 # the document is incomplete: that request's grammar cannot be honoured, the others' can.
@@ -69,7 +69,9 @@ class Sampler:
                 self.structured.refuse(matcher.grammar, failed[i])
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for j, i in enumerate(logprob_rows):
-            logprobs[i] = token_logprob(raw[j], token_ids[i], seqs[i].params.logprobs)
+            k = seqs[i].params.logprobs
+            assert raw is not None and k is not None  # a logprob row asked for them, so raw was computed
+            logprobs[i] = token_logprob(raw[j], token_ids[i], k)
         return SamplerOutput(token_ids, logprobs, failed)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -98,6 +98,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # Both loops below use these names; the second takes them from lookups that can come back empty.
+        seq: Sequence | None
+        victim: Sequence | None
         scheduled: list[tuple[Sequence, int]] = []
         queue = sorted(self.running, key=Sequence.sort_key)
         kept: list[Sequence] = []
@@ -181,6 +184,7 @@ class Scheduler:
                 seq.first_token_time = now
             seq.last_token_time = now
             params = seq.params
+            assert params.max_tokens is not None  # LLMEngine.validate fills it in before a request is added
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 self.finish(seq, "stop")
                 seq.stop_reason = token_id

@@ -9,8 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from tokenweir.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # structured.py pulls in llguidance and torch; a sequence only holds its matcher
+    from tokenweir.engine.structured import Matcher
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []  # per output token, when params.logprobs is set
         # per prompt token, if asked: the first has none; the model runner appends the rest as it computes them
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
-        self.matcher = None  # structured output: the grammar state that masks this sequence's next token
+        self.matcher: Matcher | None = None  # structured output: the grammar state masking its next token
         # timestamps for metrics (monotonic seconds)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -48,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -56,8 +57,11 @@ import torch
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.response_format import close_objects, parse_response_format
 
+if TYPE_CHECKING:  # declared only in llguidance's stub
+    from llguidance._lib import JsonCompileOptions
+
 # Compact JSON: no whitespace outside strings, no spaces after separators.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _MAX_ERROR_CHARS = 400
 
 
@@ -155,6 +159,7 @@ class StructuredOutputs:
             eos_token_id = min(self.stop_token_ids)
             bos_token_id = tokenizer.bos_token_id
             special_token_ids = special
+            tokens: list[bytes]  # set on the instance below: a class body cannot read the enclosing `tokens`
 
             def __call__(self, text: str | bytes) -> list[int]:
                 if isinstance(text, bytes):
@@ -204,10 +209,14 @@ class StructuredOutputs:
             raise ValueError(hit)
         return hit
 
-    def _build(self, key: str, kind: str, schema: dict) -> Grammar | str:
+    def _build(self, key: str, kind: str, schema: dict | None) -> Grammar | str:
         """The Grammar, or the client-facing error message (cached like a grammar)."""
         # json_object is any object: OpenAI's JSON mode promises an object, not any JSON value.
-        schema = {"type": "object"} if kind == "json_object" else close_objects(schema)
+        if kind == "json_object":
+            schema = {"type": "object"}
+        else:
+            assert schema is not None  # parse_response_format gives a json_schema its schema
+            schema = close_objects(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as e:

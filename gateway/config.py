@@ -17,6 +17,7 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -262,7 +263,7 @@ class GatewayConfig:
         return next((p for p in self.pools if p.model == model), None)
 
 
-def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> GatewayConfig:
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> GatewayConfig:
     """File (YAML by default, TOML by suffix) then env overrides; a missing path means defaults + env."""
     data: dict = {}
     if path is not None:
@@ -353,8 +354,8 @@ def _build(cls, data: dict, where: str):
             close = difflib.get_close_matches(str(k), list(known), n=1)
             hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ValueError(f"unknown config key(s) {', '.join(hints)} in {where or 'top level'}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
+    field_types = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(field_types[name], value, f"{where}{name}") for name, value in data.items()}
     return cls(**kwargs)
 
 
@@ -364,7 +365,7 @@ def _coerce(tp, value, where: str):
             return None
         tp = _unwrap(tp)
     origin = typing.get_origin(tp)
-    if is_dataclass(tp):
+    if isinstance(tp, type) and is_dataclass(tp):  # a section (a type hint here, never an instance)
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -183,11 +184,9 @@ def run(dtype: torch.dtype, device: torch.device, timer: Callable, quick: bool, 
     copy_gbps = copy_bandwidth_gbps(device, timer, nbytes=(1 << 20) if smoke else (1 << 30))
     lines = [f"device: {device} {_device_name(device)}  dtype: {dtype}  copy bandwidth: {copy_gbps:.0f} GB/s", HEADER]
     print("\n".join(lines), flush=True)
-    jobs = [lambda m=m, b=b, c=c: bench_decode(tp, ref, m, b, c, dtype, device, timer) for m, b, c in decode]
-    jobs += [
-        lambda m=m, b=b, q=q, c=c: bench_prefill(tp, ref, m, b, q, c, dtype, device, timer) for m, b, q, c in prefill
-    ]
-    jobs += [lambda m=m, n=n: bench_store(tp, ref, m, n, dtype, device, timer) for m, n in stores]
+    jobs = [partial(bench_decode, tp, ref, m, b, c, dtype, device, timer) for m, b, c in decode]
+    jobs += [partial(bench_prefill, tp, ref, m, b, q, c, dtype, device, timer) for m, b, q, c in prefill]
+    jobs += [partial(bench_store, tp, ref, m, n, dtype, device, timer) for m, n in stores]
     for job in jobs:
         lines.append(job().format(copy_gbps))
         print(lines[-1], flush=True)

@@ -8,6 +8,7 @@ without limits of its own, so one added mid-period starts from what it already s
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 # Priority bands: lower runs first (vLLM semantics); a band never dispatches while a lower band waits.
 PRIORITY_CRITICAL = 0
@@ -35,14 +36,14 @@ class TeamLimits:
     usd_per_day: float | None = None  # spend budgets, in USD at the pools' prices (config: price_*_per_1m)
     usd_per_month: float | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.allowed_models is not None:
             d["allowed_models"] = list(self.allowed_models)
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> TeamLimits:
+    def from_dict(cls, data: dict[str, Any]) -> TeamLimits:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         if kwargs.get("allowed_models") is not None:
@@ -66,14 +67,14 @@ class KeyLimits:
     max_concurrency: int | None = None
     allowed_models: tuple[str, ...] | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.allowed_models is not None:
             d["allowed_models"] = list(self.allowed_models)
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> KeyLimits:
+    def from_dict(cls, data: dict[str, Any]) -> KeyLimits:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         if kwargs.get("allowed_models") is not None:

@@ -42,7 +42,7 @@ class SlidingWindow:
     limit: int
     window_s: float = WINDOW_S
     slots: int = SLOTS
-    _counts: deque = field(default_factory=deque, repr=False)  # [slot_index, units], oldest first
+    _counts: deque[list[int]] = field(default_factory=deque, repr=False)  # [slot_index, units], oldest first
     _used: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 STRATEGIES = ("prefix", "least_loaded", "round_robin")
 
@@ -70,7 +71,7 @@ class RouteReason:
     hit_blocks: int = 0
     score: float = 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "reason": self.reason,
@@ -141,8 +142,8 @@ def rank(
         pick = max(within, key=lambda c: (score(c, params), c.hit_blocks, -_least_loaded_key(c)))
         reason = "prefix_hit" if pick.hit_blocks > 0 else "prefix_spill"
     elif within:
-        first = block_hashes[0]
-        pick = max(within, key=lambda c: (home_weight(first, c.name), c.name))
+        first_hash = block_hashes[0]
+        pick = max(within, key=lambda c: (home_weight(first_hash, c.name), c.name))
         reason = "prefix_spill" if held else "prefix_home"
     else:
         pick, reason = by_load[0], "prefix_spill" if held else "least_loaded"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tokenweir.policies.budget import seconds_until_reset
-from tokenweir.policies.limits import usd_micros
+from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
 from tokenweir.policies.retry import reset_header
 
 
@@ -47,7 +48,7 @@ def remaining(limit: int | None, taken: int) -> int | None:
 
 def budget_view(
     period: str, key: str, limit: int | None, spent: int, reserved: int, overshoot: int, now: float
-) -> dict:
+) -> dict[str, Any]:
     """One budget period (`period` DAY or MONTH, `key` its 'YYYY-MM-DD' / 'YYYY-MM') as the snapshot shows it."""
     return {
         "period": key,
@@ -60,7 +61,9 @@ def budget_view(
     }
 
 
-def spend_view(period: str, key: str, limit: int | None, spent: int, reserved: int, overshoot: int, now: float) -> dict:
+def spend_view(
+    period: str, key: str, limit: int | None, spent: int, reserved: int, overshoot: int, now: float
+) -> dict[str, Any]:
     """`budget_view` of a spend budget: the counters are micro-USD, the view shows USD."""
     view = budget_view(period, key, limit, spent, reserved, overshoot, now)
     for name in ("limit", "spent", "reserved", "remaining", "overshoot"):
@@ -79,11 +82,11 @@ def team_snapshot(
     tokens_last_minute: int | None,
     remaining_requests: int | None,
     remaining_tokens: int | None,
-    day: dict,
-    month: dict,
-    day_usd: dict | None = None,
-    month_usd: dict | None = None,
-) -> dict:
+    day: dict[str, Any],
+    month: dict[str, Any],
+    day_usd: dict[str, Any] | None = None,
+    month_usd: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A team's (or an API key's) live counters (`day` / `month` from `budget_view`, `*_usd` from `spend_view`)."""
     return {
         "team_id": team_id,
@@ -105,7 +108,7 @@ def team_snapshot(
     }
 
 
-def with_limits(snapshot: dict, limits) -> dict:
+def with_limits(snapshot: dict[str, Any], limits: TeamLimits | KeyLimits) -> dict[str, Any]:
     """`snapshot` (a `team_snapshot`) as it reads under `limits` (a TeamLimits or KeyLimits): the current ones, not
     those the backend last saw at a reserve, so a limit an admin just set shows what is left of it at once."""
     out = dict(snapshot)

@@ -16,19 +16,28 @@ from __future__ import annotations
 import asyncio
 import http
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenweir.common.http.door_limits import HttpLimits
 
+if TYPE_CHECKING:
+    import logging
+
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.h11_impl import RequestResponseCycle as H11Cycle
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
+    from uvicorn.server import Protocols, ServerState
+
 try:
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # uvicorn without its [standard] extras
-    httptools = None
-    HttpToolsProtocol = None
+    # mypy reads the installed extras; the None stands for their absence (checked before either is used)
+    httptools = None  # type: ignore[assignment]
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 
 class Refusal(Exception):
@@ -97,10 +106,35 @@ def content_length_over(headers: list[tuple[bytes, bytes]], limit: int | None) -
     )
 
 
-class _Door:
+class _Cycle(Protocol):
+    """What the door reads and sets of uvicorn's per-request cycle (h11's and httptools' classes alike)."""
+
+    response_started: bool
+    response_complete: bool
+    disconnected: bool
+    message_event: asyncio.Event
+
+
+if TYPE_CHECKING:
+    _ProtocolBase = asyncio.Protocol
+else:
+    _ProtocolBase = object
+
+
+class _Door(_ProtocolBase):
     """The limits common to both parsers; mixed in before uvicorn's protocol class."""
 
     limits: HttpLimits = HttpLimits()  # each server's own: see protocol_class()
+
+    if TYPE_CHECKING:  # set by the uvicorn protocol class the door is mixed into
+        connections: set[Protocols]
+        loop: asyncio.AbstractEventLoop
+        transport: asyncio.Transport
+        flow: FlowControl
+        client: tuple[str, int] | None
+        logger: logging.Logger
+        server_state: ServerState
+        cycle: _Cycle | None  # None before the connection's first request
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -238,6 +272,9 @@ if HttpToolsProtocol is not None:
     class DoorHttpToolsProtocol(_Door, HttpToolsProtocol):
         """httptools: head bytes counted per read (before the parser buffers them) and per parsed field."""
 
+        if TYPE_CHECKING:  # as uvicorn declares it (without the None): the door's own view would clash with it
+            cycle: HttpToolsCycle
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._in_body = False  # between a head's end and its message's end
@@ -339,6 +376,9 @@ if HttpToolsProtocol is not None:
 class DoorH11Protocol(_Door, H11Protocol):
     """h11 (where httptools is missing): checked after each read, as uvicorn hands the parsed request to the app
     within it; h11 also caps its buffer (`h11_max_incomplete_event_size`) a read above `max_header_bytes`."""
+
+    if TYPE_CHECKING:  # as uvicorn declares it (without the None): the door's own view would clash with it
+        cycle: H11Cycle
 
     def _reading_body(self) -> bool:
         return self.conn.their_state is h11.SEND_BODY

@@ -11,6 +11,7 @@ Stdlib only: the gateway's config and the engine's `--help` import this without 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +59,11 @@ def uvicorn_options(limits: HttpLimits) -> dict[str, Any]:
     }
 
 
-def _at_least(low: float, parse=int):
+def _at_least(low: float, parse: Callable[[str], int] = int) -> Callable[[str], int]:
     """An argparse type: a number >= low (a bad value is a usage error naming the flag, before anything loads)."""
 
-    def check(text: str):
+    def check(text: str) -> int:
+        value: int | None
         try:
             value = parse(text)
         except ValueError:
@@ -83,7 +85,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def add_http_flags(parser: argparse.ArgumentParser, defaults: HttpLimits, parse_size) -> None:
+def add_http_flags(parser: argparse.ArgumentParser, defaults: HttpLimits, parse_size: Callable[[str], int]) -> None:
     """The limits as command-line flags (the engine's; vLLM's h11 spellings kept as aliases)."""
     g = parser.add_argument_group("HTTP connection limits")
     g.add_argument(

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -34,7 +37,7 @@ class APIError(Exception):
         param: str | None = None,
         *,
         type: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -44,7 +47,7 @@ class APIError(Exception):
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:

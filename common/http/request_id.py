@@ -11,7 +11,9 @@ MAX_REQUEST_ID = 128
 
 def is_sane_request_id(value: str | None) -> bool:
     """1 to 128 printable ASCII characters without spaces: safe in a header, a log line and a JSON event."""
-    return bool(value) and len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable() and " " not in value
+    if not value:
+        return False
+    return len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable() and " " not in value
 
 
 def request_id_from(client_value: str | None, prefix: str = "req-") -> str:

@@ -23,7 +23,7 @@ _EXPECTED = {
     "model_type": "an object",
     "model_attributes_type": "an object",
 }
-_KINDS = (
+_KINDS: tuple[tuple[type[Any], str, str], ...] = (
     (bool, "a boolean", "booleans"),
     (int, "an integer", "integers"),
     (float, "a number", "numbers"),
@@ -76,7 +76,7 @@ def validation_error(
     return APIError(400, words(kind, err, value, param, patterns or {}), codes.get(code, code), param=param)
 
 
-_KIND_CODES = {
+_KIND_CODES: dict[str | None, str] = {  # keyed by an error's type (None: an error without one)
     "missing": "missing_required_parameter",
     "extra_forbidden": "unknown_parameter",
     "invalid_type": "invalid_type",
@@ -106,7 +106,9 @@ def _join(path: list[str | int], brackets: bool) -> str:
     return text
 
 
-def _pydantic_words(kind: str | None, err: Mapping[str, Any], value: Any, param: str | None, patterns: Mapping) -> str:
+def _pydantic_words(
+    kind: str | None, err: Mapping[str, Any], value: Any, param: str | None, patterns: Mapping[Any, str]
+) -> str:
     message = str(err.get("msg", "Invalid value")).removeprefix("Value error, ")
     if kind == "string_pattern_mismatch":
         message = patterns.get((err.get("ctx") or {}).get("pattern"), message)
@@ -115,7 +117,9 @@ def _pydantic_words(kind: str | None, err: Mapping[str, Any], value: Any, param:
     return f"Invalid '{param}': {message}." if param else f"Invalid request body: {message}."
 
 
-def _openai_words(kind: str | None, err: Mapping[str, Any], value: Any, param: str | None, patterns: Mapping) -> str:
+def _openai_words(
+    kind: str | None, err: Mapping[str, Any], value: Any, param: str | None, patterns: Mapping[Any, str]
+) -> str:
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind == "missing":
         return f"Missing required parameter: '{param}'." if param else "The request body is required."
@@ -146,7 +150,7 @@ def _openai_words(kind: str | None, err: Mapping[str, Any], value: Any, param: s
     return f"Invalid value for {where}: {message}."
 
 
-def _message_error(message: Any, path: list) -> tuple[str, Any, list]:
+def _message_error(message: Any, path: list[str | int]) -> tuple[str, Any, list[str | int]]:
     if not isinstance(message, dict):
         return "dict_type", message, path
     if "role" not in message:

@@ -14,11 +14,15 @@ import os
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import jinja2
 import jinja2.ext
 import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -146,16 +150,17 @@ class Tokenizer:
         the vocab and encode() drops them, as llama.cpp does.
         """
         tok_id = self._token_to_id
-        results = [tok_id.get(a + b) for a, b in merges]
-        assert None not in results, "a merge produces a string that is not in the vocab"
+        found = [tok_id.get(a + b) for a, b in merges]
+        assert None not in found, "a merge produces a string that is not in the vocab"
+        results = cast("list[int]", found)  # no None: asserted just above
         multi = [i for i in range(len(tokens)) if i not in plain and len(self._id_bytes[i]) > 1]
         in_order = all(x < y for x, y in zip(results, results[1:], strict=False))
         if in_order and len(set(results)) == len(results) == len(multi):
             ranks = {self._id_bytes[i]: i for i in range(len(tokens)) if i not in plain}
             extra = len(tokens)
-            for b in range(256):
-                if bytes([b]) not in ranks:
-                    ranks[bytes([b])] = extra
+            for byte in range(256):
+                if bytes([byte]) not in ranks:
+                    ranks[bytes([byte])] = extra
                     extra += 1
             return ranks, None
         ranks = {bytes([b]): b for b in range(256)}
@@ -176,10 +181,10 @@ class Tokenizer:
         return cls.from_gguf_reader(GGUFReader(path), name=os.path.basename(path))
 
     @classmethod
-    def from_gguf_reader(cls, reader, name: str | None = None) -> Tokenizer:
+    def from_gguf_reader(cls, reader: GGUFReader, name: str | None = None) -> Tokenizer:
         """From an open gguf.GGUFReader: a model loader that already parsed the file (seconds) shares it."""
 
-        def field(key: str, default=None):
+        def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
             if f is None:
                 return default
@@ -212,7 +217,7 @@ class Tokenizer:
     def from_hf_dir(cls, path: str) -> Tokenizer:
         with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
             tj = json.load(f)
-        config: dict = {}
+        config: dict[str, Any] = {}
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as f:
@@ -232,7 +237,11 @@ class Tokenizer:
         holes = [i for i, t in enumerate(tokens) if t == ""]
         for i in holes:  # ids nobody uses still need a unique, unreachable string
             tokens[i], token_types[i] = f"<unused_{i}>", TOKEN_UNUSED
-        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+        # each merge is two pieces, written "a b" or ["a", "b"]
+        merges = cast(
+            "list[tuple[str, str]]",
+            [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])],
+        )
         pre, pattern = _hf_pre_tokenizer(tj.get("pre_tokenizer"))
 
         def token_id(key: str) -> int | None:
@@ -304,7 +313,10 @@ class Tokenizer:
     # -- chat
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render a conversation with the model's chat template, as transformers' apply_chat_template does."""
         if self.chat_template is None:
@@ -320,7 +332,7 @@ class Tokenizer:
             pad_token=self._token_text(self.pad_token_id),
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a chat. Special tokens are allowed: the template inserts them, and message contents
         containing special-token strings are the template author's concern, as in HF."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)
@@ -359,7 +371,7 @@ def _byte_decoder_inverse() -> list[int]:
     return out
 
 
-def _hf_pre_tokenizer(pre_tokenizer: dict | None) -> tuple[str | None, str | None]:
+def _hf_pre_tokenizer(pre_tokenizer: dict[str, Any] | None) -> tuple[str | None, str | None]:
     """(pre name, regex) from a tokenizer.json pre_tokenizer; regex None means the named one."""
     if pre_tokenizer is None:
         return "default", None
@@ -377,10 +389,16 @@ def _hf_pre_tokenizer(pre_tokenizer: dict | None) -> tuple[str | None, str | Non
 def _compile_template(source: str) -> jinja2.Template:
     """Same environment as transformers' chat templates: sandboxed, trim/lstrip, raise_exception, tojson."""
 
-    def raise_exception(message: str):
+    def raise_exception(message: str) -> NoReturn:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:

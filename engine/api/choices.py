@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.protocol import ChatCompletionRequest, CompletionRequest
+from tokenweir.engine.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from tokenweir.engine.responses import (
     AssistantMessage,
     ChatChoice,
@@ -54,7 +55,10 @@ class TokenText:
 class ChatRenderer:
     def __init__(self, body: ChatCompletionRequest, tokenizer: Tokenizer | None) -> None:
         self.tool_mode = body.tool_mode
-        self.function = body.tool_choice.function.name if self.tool_mode == "named" else None
+        self.function: str | None = None
+        if self.tool_mode == "named":
+            assert isinstance(body.tool_choice, NamedToolChoice)  # what the "named" tool mode means
+            self.function = body.tool_choice.function.name
         self.tokens = TokenText(tokenizer)
         self.show_token_ids = body.return_token_ids
         self._call_ids: dict[int, str] = {}  # streamed named calls: choice index -> its call id
@@ -86,6 +90,7 @@ class ChatRenderer:
         except ValueError:
             return None
         if self.tool_mode == "named":
+            assert self.function is not None  # set with the "named" tool mode
             return [ToolCall(id=_tool_call_id(), function=FunctionCall(name=self.function, arguments=text))]
         return [
             ToolCall(id=_tool_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
@@ -174,7 +179,7 @@ class CompletionRenderer:
             token_ids=out.new_token_ids if self.show_token_ids else None,
         )
 
-    def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob | None], index: int) -> CompletionLogprobs:
+    def _logprobs(self, token_ids: list[int], entries: Sequence[TokenLogprob | None], index: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         offset = self._offsets.get(index, 0)
         for token_id, entry in zip(token_ids, entries, strict=True):

@@ -8,7 +8,7 @@ the request against its limits and streams the outputs, and any error is raised 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -81,7 +81,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, engine: Engine):
     check_model(engine, body.model)
-    prompt = encode_text(engine, body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    # CompletionRequest._one_prompt leaves one prompt: text or token ids (a batch of one is unwrapped).
+    prompt = encode_text(engine, body.prompt) if isinstance(body.prompt, str) else cast("list[int]", list(body.prompt))
     stream = start(engine, request, prompt, body, prompt_param="prompt")
     response_id = f"cmpl-{stream.request_id}"
     # A model without a tokenizer has no text to show: its token ids are the output.
@@ -116,6 +117,7 @@ async def tokenize(body: TokenizeRequest, engine: Engine) -> dict:
     if body.messages is not None:
         tokens = encode_chat(engine, [m.to_template() for m in body.messages], body.add_generation_prompt)
     else:
+        assert body.prompt is not None  # the request's validator wants exactly one of prompt and messages
         tokens = encode_text(engine, body.prompt)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 

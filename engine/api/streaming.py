@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -60,7 +61,7 @@ def stream_response(
     created = int(time.time())
     drop_usage = not (include_usage or continuous_usage)
 
-    def event(choices: list[BaseModel], usage: Usage | None) -> str:
+    def event(choices: list[Any], usage: Usage | None) -> str:  # chunk_type's own choices: the caller pairs them
         chunk = chunk_type(id=response_id, created=created, model=model, choices=choices, usage=usage)
         data = dump_response(chunk)
         if drop_usage:
@@ -81,13 +82,14 @@ def stream_response(
                     continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
                 rendered = choice(out)
                 if (
-                    "delta" in type(rendered).model_fields
+                    isinstance(rendered, ChatChunkChoice)
                     and rendered.delta == DeltaMessage()
                     and not (rendered.finish_reason or rendered.logprobs or show_token_ids)
                 ):
                     continue  # nothing to show yet (a tool-call list shown once it is complete)
                 yield event([rendered], Usage.model_validate(out.usage) if continuous_usage else None)
             if include_usage:
+                assert stream.final is not None  # the stream ended without raising: on its finished output
                 yield event([], Usage.model_validate(stream.final.usage))
         except Exception as exc:  # the headers are gone: say it in the stream, as vLLM does
             yield sse(to_api_error(exc).body())

@@ -88,6 +88,7 @@ class EventWriter:
             data = orjson.dumps(line) + b"\n"
             if self._size and self._size + len(data) > self.max_bytes:
                 self._rotate()
+            assert self._fd is not None  # opened above if it was not; a rotation reopens it
             os.write(self._fd, data)
             self._size += len(data)
             self._dirty = True
@@ -137,6 +138,7 @@ class EventWriter:
         self._size = os.fstat(self._fd).st_size
 
     def _rotate(self) -> None:
+        assert self._fd is not None  # emit rotates the file it has open
         os.fsync(self._fd)
         if self.backups <= 0:
             self.path.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from dataclasses import asdict
+from typing import TypeVar
 
 from tokenweir.gateway.store.store import Store, UsageRow
 from tokenweir.gateway.store.usage import KeyUsageRow
@@ -28,6 +29,7 @@ log = logging.getLogger("tokenweir.usage")
 
 # requests, prompt_tokens, completion_tokens, cached_tokens (and, per key, the exact cost in femto-USD)
 _Totals = list[int]
+_K = TypeVar("_K")
 _Batch = tuple[dict[tuple[str, str, str], _Totals], dict[tuple[str, str, str, str, str], _Totals]]
 
 
@@ -127,11 +129,8 @@ class UsageRecorder:
             self.flushed_rows += n
 
     def _restore(self, batch: _Batch) -> None:
-        for pending, rows in zip((self._pending, self._pending_keys), batch, strict=True):
-            for k, totals in rows.items():
-                current = pending.setdefault(k, [0] * len(totals))
-                for i, v in enumerate(totals):
-                    current[i] += v
+        _add_back(self._pending, batch[0])
+        _add_back(self._pending_keys, batch[1])
 
     async def close(self, attempts: int = 3, backoff_s: float = 0.5) -> None:
         """Stop the loop and write what is left, retrying; rows that still cannot be written are logged in full."""
@@ -159,10 +158,17 @@ class UsageRecorder:
             log.error("key usage row not written: %s", json.dumps(asdict(_key_row(k, totals))))
 
 
+def _add_back(pending: dict[_K, _Totals], rows: dict[_K, _Totals]) -> None:
+    for k, totals in rows.items():
+        current = pending.setdefault(k, [0] * len(totals))
+        for i, v in enumerate(totals):
+            current[i] += v
+
+
 def _key_row(key: tuple[str, str, str, str, str], totals: _Totals) -> KeyUsageRow:
     """A per-key row as the store keeps it: the exact cost as whole micro-USD plus the femto-USD below one."""
-    *counts, cost_femtos = totals
-    return KeyUsageRow(*key, *counts, *split_femtos(cost_femtos))
+    requests, prompt, completion, cached, cost_femtos = totals
+    return KeyUsageRow(*key, requests, prompt, completion, cached, *split_femtos(cost_femtos))
 
 
 async def seed_key_budgets(store: Store, state) -> None:
@@ -184,6 +190,6 @@ async def seed_key_budgets(store: Store, state) -> None:
         seed = functools.partial(state.seed_spend, key_id=key_id, day_cost=d_cost, month_cost=m_cost)
         await asyncio.to_thread(seed, team_id, d_tokens, m_tokens)
     for team_id, (d_cost, m_cost) in by_team.items():
-        tokens = [await asyncio.to_thread(store.spent_tokens, team_id, since) for since in (day, month)]
+        spent = [await asyncio.to_thread(store.spent_tokens, team_id, since) for since in (day, month)]
         seed = functools.partial(state.seed_spend, day_cost=d_cost, month_cost=m_cost)
-        await asyncio.to_thread(seed, team_id, *tokens)
+        await asyncio.to_thread(seed, team_id, *spent)

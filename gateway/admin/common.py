@@ -18,7 +18,7 @@ from tokenweir.common.http.validation import validation_error
 from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
 from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.store.db import DB_ERRORS
-from tokenweir.gateway.store.store import Conflict, NotFound, Team
+from tokenweir.gateway.store.store import Conflict, NotFound, Store, Team
 
 T = TypeVar("T")
 
@@ -85,6 +85,13 @@ async def store_call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         ) from exc
 
 
+def store_of(services: Services) -> Store:
+    """The store: opened by the app's lifespan before any request (an app that mounts the admin router alone
+    is given one)."""
+    assert services.store is not None
+    return services.store
+
+
 def invalidate_auth_cache(services: Services) -> None:
     # This replica sees the change at once; the others within their cache TTL (<= 1 s).
     if services.authenticator is not None:
@@ -92,7 +99,7 @@ def invalidate_auth_cache(services: Services) -> None:
 
 
 async def team_or_404(services: Services, team_id: str) -> Team:
-    team = await store_call(services.store.get_team, team_id)
+    team = await store_call(store_of(services).get_team, team_id)
     if team is None:
         raise APIError(404, f"No such team: {team_id!r}.", "team_not_found", param="team_id")
     return team

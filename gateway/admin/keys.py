@@ -16,6 +16,7 @@ from tokenweir.gateway.admin.common import (
     error_doc,
     invalidate_auth_cache,
     store_call,
+    store_of,
     team_or_404,
 )
 from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, KeyCreate, KeyCreated, KeyLimitsBody, KeyList, KeyOut
@@ -34,7 +35,7 @@ router = APIRouter(route_class=OpenAIErrorRoute)
 )
 async def create_team_key(team_id: TeamId, body: KeyCreate, services: ServicesDep) -> KeyCreated:
     limits = body.limits.to_limits() if body.limits is not None else None
-    store = services.store
+    store = store_of(services)
     secret, key = await store_call(store.create_key, team_id, body.name, expires_at=body.expiry(), limits=limits)
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
@@ -42,14 +43,14 @@ async def create_team_key(team_id: TeamId, body: KeyCreate, services: ServicesDe
 @router.get("/teams/{team_id}/keys", summary="List a team's keys", responses={404: error_doc("No such team.")})
 async def list_team_keys(team_id: TeamId, services: ServicesDep) -> KeyList:
     await team_or_404(services, team_id)
-    return KeyList(data=[KeyOut.of(k) for k in await store_call(services.store.list_keys, team_id)])
+    return KeyList(data=[KeyOut.of(k) for k in await store_call(store_of(services).list_keys, team_id)])
 
 
 @router.post("/keys", status_code=201, summary="Create an admin key (no team; the secret is returned once)")
 async def create_admin_key(body: KeyCreate, services: ServicesDep) -> KeyCreated:
     if body.limits is not None:
         raise _admin_key_limits()
-    store = services.store
+    store = store_of(services)
     secret, key = await store_call(store.create_key, None, body.name, is_admin=True, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
@@ -61,7 +62,7 @@ async def list_keys(
         None, max_length=64, pattern=ID_PATTERN, description="Only this team's keys. " + ID_DOC
     ),
 ) -> KeyList:
-    return KeyList(data=[KeyOut.of(k) for k in await store_call(services.store.list_keys, team_id)])
+    return KeyList(data=[KeyOut.of(k) for k in await store_call(store_of(services).list_keys, team_id)])
 
 
 @router.delete(
@@ -70,7 +71,7 @@ async def list_keys(
     responses={404: error_doc("No such key.")},
 )
 async def revoke_key(key_id: KeyId, services: ServicesDep) -> KeyOut:
-    key = await store_call(services.store.revoke_key, key_id)
+    key = await store_call(store_of(services).revoke_key, key_id)
     invalidate_auth_cache(services)
     return KeyOut.of(key)
 
@@ -85,7 +86,7 @@ def _admin_key_limits() -> APIError:
 
 
 async def _key_or_404(services: Services, key_id: str):
-    key = await store_call(services.store.get_key, key_id)
+    key = await store_call(store_of(services).get_key, key_id)
     if key is None:
         raise APIError(404, f"No such key: {key_id!r}.", "key_not_found", param="key_id")
     return key
@@ -104,6 +105,6 @@ async def get_key_limits(key_id: KeyId, services: ServicesDep) -> KeyLimitsBody:
 async def set_key_limits(key_id: KeyId, body: KeyLimitsBody, services: ServicesDep) -> KeyLimitsBody:
     if (await _key_or_404(services, key_id)).team_id is None:
         raise _admin_key_limits()
-    key = await store_call(services.store.set_key_limits, key_id, body.to_limits())
+    key = await store_call(store_of(services).set_key_limits, key_id, body.to_limits())
     invalidate_auth_cache(services)
     return KeyLimitsBody.of(key.limits)

@@ -66,18 +66,21 @@ class Limits(BaseModel):
     tokens_per_day: TokensPerDay = None
     tokens_per_month: TokensPerMonth = None
     max_concurrency: MaxConcurrency = None
-    max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Longest prompt accepted.")
-    max_output_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Cap on max_tokens.")
+    # Defaults by keyword: type checkers read only `default=` as a field's default (so `Limits()` checks)
+    max_prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT, description="Longest prompt accepted.")
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT, description="Cap on max_tokens.")
     allowed_models: list[ModelName] | None = Field(
-        None, max_length=1000, description="Models the team may use; null means all."
+        default=None, max_length=1000, description="Models the team may use; null means all."
     )
-    priority: int = Field(1, ge=0, le=2, description="0 critical, 1 standard, 2 batch; lower runs first.")
-    weight: int = Field(1, ge=1, le=1000, description="Fair share against other teams in the same band.")
+    priority: int = Field(default=1, ge=0, le=2, description="0 critical, 1 standard, 2 batch; lower runs first.")
+    weight: int = Field(default=1, ge=1, le=1000, description="Fair share against other teams in the same band.")
     queue_timeout_s: float | None = Field(
-        None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait in the dispatch queue."
+        default=None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait in the dispatch queue."
     )
-    ttft_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait for the first token.")
-    total_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Longest whole request.")
+    ttft_timeout_s: float | None = Field(
+        default=None, gt=0, le=MAX_TIMEOUT_S, description="Longest wait for the first token."
+    )
+    total_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S, description="Longest whole request.")
     usd_per_day: UsdPerDay = None
     usd_per_month: UsdPerMonth = None
 
@@ -213,7 +216,9 @@ class KeyOut(BaseModel):
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:
-        status = "revoked" if key.revoked_at else "expired" if key.is_expired() else "active"
+        status: Literal["active", "revoked", "expired"] = (
+            "revoked" if key.revoked_at else "expired" if key.is_expired() else "active"
+        )
         fields = {k: getattr(key, k) for k in ApiKey.__dataclass_fields__ if k != "limits"}
         limits = None if key.limits is None else KeyLimitsBody.of(key.limits)
         return cls(status=status, limits=limits, **fields)

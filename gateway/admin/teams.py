@@ -19,6 +19,7 @@ from tokenweir.gateway.admin.common import (
     error_doc,
     invalidate_auth_cache,
     store_call,
+    store_of,
     team_or_404,
 )
 from tokenweir.gateway.admin.keys import router as keys_router
@@ -63,13 +64,13 @@ router = APIRouter(
 
 @router.post("/teams", status_code=201, summary="Create a team", responses={409: error_doc("Name taken.")})
 async def create_team(body: TeamCreate, services: ServicesDep) -> TeamOut:
-    team = await store_call(services.store.create_team, body.name, body.limits.to_limits(), body.enabled)
+    team = await store_call(store_of(services).create_team, body.name, body.limits.to_limits(), body.enabled)
     return TeamOut.of(team)
 
 
 @router.get("/teams", summary="List teams")
 async def list_teams(services: ServicesDep) -> TeamList:
-    return TeamList(data=[TeamOut.of(t) for t in await store_call(services.store.list_teams)])
+    return TeamList(data=[TeamOut.of(t) for t in await store_call(store_of(services).list_teams)])
 
 
 @router.get("/teams/{team_id}", summary="Get a team", responses={404: error_doc("No such team.")})
@@ -83,7 +84,7 @@ async def get_team(team_id: TeamId, services: ServicesDep) -> TeamOut:
     responses={404: error_doc("No such team."), 409: error_doc("Name taken.")},
 )
 async def update_team(team_id: TeamId, body: TeamUpdate, services: ServicesDep) -> TeamOut:
-    team = await store_call(services.store.update_team, team_id, name=body.name, enabled=body.enabled)
+    team = await store_call(store_of(services).update_team, team_id, name=body.name, enabled=body.enabled)
     invalidate_auth_cache(services)
     return TeamOut.of(team)
 
@@ -94,7 +95,7 @@ async def update_team(team_id: TeamId, body: TeamUpdate, services: ServicesDep) 
     responses={404: error_doc("No such team.")},
 )
 async def delete_team(team_id: TeamId, services: ServicesDep) -> Deleted:
-    await store_call(services.store.delete_team, team_id)
+    await store_call(store_of(services).delete_team, team_id)
     invalidate_auth_cache(services)
     return Deleted(id=team_id, object="team")
 
@@ -105,7 +106,7 @@ async def delete_team(team_id: TeamId, services: ServicesDep) -> Deleted:
     responses={404: error_doc("No such team.")},
 )
 async def set_limits(team_id: TeamId, body: Limits, services: ServicesDep) -> Limits:
-    team = await store_call(services.store.set_limits, team_id, body.to_limits())
+    team = await store_call(store_of(services).set_limits, team_id, body.to_limits())
     invalidate_auth_cache(services)
     return Limits.of(team.limits)
 
@@ -124,7 +125,7 @@ async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
     team = await team_or_404(services, team_id)
     now = time.time()
     day, month_start = period_start_day(DAY, now), period_start_day(MONTH, now)
-    store = services.store
+    store = store_of(services)
     spent_today = await store_call(store.spent_tokens, team_id, day)
     spent_month = await store_call(store.spent_tokens, team_id, month_start)
     limits = team.limits
@@ -181,7 +182,7 @@ async def usage(
     if group_by != "team":
         return await _usage_by(services, group_by, team_id, since, until)
     rows = await store_call(
-        services.store.usage,
+        store_of(services).usage,
         team_id,
         since.isoformat() if since else None,
         until.isoformat() if until else None,
@@ -197,7 +198,7 @@ async def usage(
 
 async def _usage_by(services: Services, group_by: str, team_id, since: date | None, until: date | None) -> UsageList:
     rows = await store_call(
-        services.store.usage_by,
+        store_of(services).usage_by,
         group_by,
         team_id,
         since.isoformat() if since else None,

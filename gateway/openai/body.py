@@ -8,6 +8,7 @@ a 500. The dict that goes upstream is the client's own, untouched. The schemas t
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import orjson
 from pydantic import TypeAdapter, ValidationError
@@ -124,6 +125,7 @@ def nests_too_deep(data) -> bool:
         return _deeper_than(data, MAX_DEPTH)
     pad = getattr(_pads, "chain", None)
     if pad is None:
+        outer: list[Any]  # nested lists, one level per padding step
         inner = outer = [None]
         for _ in range(_PADDING - 1):
             outer = [outer]

@@ -5,7 +5,7 @@ Built as gateway.openai.strict describes; the request bodies that hold them are 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NotRequired, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NotRequired, TypeAlias, Union
 
 from pydantic import Discriminator, Field, Tag, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
@@ -28,7 +28,10 @@ class ImageURL(TypedDict):
     detail: NotRequired[str | None]
 
 
-ImageURLValue = one_of("an object with a string 'url', or a string", object=ImageURL, string=str)
+if TYPE_CHECKING:  # what one_of builds at run time, spelled so the type checker can read it
+    ImageURLValue: TypeAlias = ImageURL | str
+else:
+    ImageURLValue = one_of("an object with a string 'url', or a string", object=ImageURL, string=str)
 
 
 @with_config(STRICT)
@@ -93,11 +96,14 @@ ContentPart = Annotated[
     ],
     Discriminator(_part_tag, custom_error_type="invalid_type", custom_error_message="expected a content part object"),
 ]
-Content = one_of(
-    "a string or an array of content parts",
-    string=str,
-    array=Annotated[list[ContentPart], Field(min_length=1)],
-)
+if TYPE_CHECKING:
+    Content: TypeAlias = str | list[ContentPart]
+else:
+    Content = one_of(
+        "a string or an array of content parts",
+        string=str,
+        array=Annotated[list[ContentPart], Field(min_length=1)],
+    )
 
 
 @with_config(STRICT)

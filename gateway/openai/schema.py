@@ -10,7 +10,7 @@ gateway.openai.tools, the strict building blocks in gateway.openai.strict.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Required, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Required, TypeAlias, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
@@ -30,7 +30,10 @@ class StreamOptions(TypedDict, total=False):
     include_obfuscation: bool | None
 
 
-Stop = one_of("a string or an array of strings", string=str, array=list[str])
+if TYPE_CHECKING:  # what one_of builds at run time, spelled so the type checker can read it
+    Stop: TypeAlias = str | list[str]
+else:
+    Stop = one_of("a string or an array of strings", string=str, array=list[str])
 # logit_bias: token ids written as strings, each mapped to a bias in [-100, 100]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$", description="A token id, as a string.")]
 LogitBias = dict[TokenIdKey, Annotated[int, Field(ge=-100, le=100)]]

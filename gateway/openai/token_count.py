@@ -123,6 +123,7 @@ class TokenCounter:
                 text += orjson.dumps(m["tool_calls"]).decode()
             flat.append({"role": m.get("role", "user"), "content": text})
         if self.exact:
+            assert self.tokenizer is not None  # loaded whenever the counts are exact
             return len(self.tokenizer.encode_chat(flat)) + extra
         return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra
 

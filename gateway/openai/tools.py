@@ -6,7 +6,7 @@ Built as gateway.openai.strict describes; the request body that holds them is in
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NotRequired, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NotRequired, TypeAlias, Union
 
 from pydantic import Discriminator, Field, Tag, with_config
 from pydantic.json_schema import SkipJsonSchema
@@ -133,11 +133,15 @@ ResponseFormat = Annotated[
 ]
 
 
-ToolChoice = one_of(
-    "a string ('none', 'auto' or 'required') or an object",
-    string=Literal["none", "auto", "required"],
-    object=NamedToolChoice,
-)
-FunctionCallChoice = one_of(
-    "a string ('none' or 'auto') or an object with a 'name'", string=Literal["none", "auto"], object=NamedFunction
-)
+if TYPE_CHECKING:  # what one_of builds at run time, spelled so the type checker can read it
+    ToolChoice: TypeAlias = Literal["none", "auto", "required"] | NamedToolChoice
+    FunctionCallChoice: TypeAlias = Literal["none", "auto"] | NamedFunction
+else:
+    ToolChoice = one_of(
+        "a string ('none', 'auto' or 'required') or an object",
+        string=Literal["none", "auto", "required"],
+        object=NamedToolChoice,
+    )
+    FunctionCallChoice = one_of(
+        "a string ('none' or 'auto') or an object with a 'name'", string=Literal["none", "auto"], object=NamedFunction
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from tokenweir.gateway.store import keys
-from tokenweir.gateway.store.store import Conflict, Store
+from tokenweir.gateway.store.store import Conflict, Store, Team
 
 DEMO_TEAM = "demo"
 ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"
@@ -55,9 +55,11 @@ def ensure_bootstrap(store: Store, admin_key: str | None = None) -> tuple[str | 
     if not any(k.is_admin and k.revoked_at is None and not k.is_expired() for k in all_keys):
         admin_secret, _ = store.create_key(None, "bootstrap-admin", is_admin=True)
     if fresh:
+        team: Team | None
         try:
             team = store.create_team(DEMO_TEAM)
         except Conflict:  # another replica bootstrapping the same database got there first
             team = store.get_team_by_name(DEMO_TEAM)
+        assert team is not None  # created here, or by that replica
         demo_secret, _ = store.create_key(team.id, "demo")
     return admin_secret, demo_secret

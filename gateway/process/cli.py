@@ -235,7 +235,8 @@ def gateway_server(config: GatewayConfig, app):
             log_level="warning",
             log_config=None,  # its loggers propagate to the JSON root handler of common/logging.py
             access_log=config.access_log,
-            timeout_graceful_shutdown=config.shutdown_grace_s,
+            # annotated int, but only ever a timeout for asyncio.wait_for: seconds as a float work
+            timeout_graceful_shutdown=config.shutdown_grace_s,  # type: ignore[arg-type]
             **uvicorn_options(config.http),
         )
     )

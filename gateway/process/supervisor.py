@@ -67,7 +67,7 @@ def consecutive_free_ports(n: int, start: int = 8100, host: str = "127.0.0.1", t
 class Child:
     index: int
     port: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | _Exited | None = None  # _Exited: its command could not start
     started_at: float = 0.0
     restarts: int = 0  # exits that were followed by a restart
     backoff_s: float = 0.0  # the wait before the next restart
@@ -118,6 +118,7 @@ class Supervisor:
 
     async def _watch(self, child: Child) -> None:
         while not self._stopping:
+            assert child.proc is not None  # _spawn set it before this watch began
             child.last_status = await child.proc.wait()
             if self._stopping:
                 return
@@ -151,6 +152,7 @@ class Supervisor:
         self._stopping = True
         for child in self.children:
             if child.running:
+                assert child.proc is not None and not isinstance(child.proc, _Exited)  # running: it started
                 with contextlib.suppress(ProcessLookupError):
                     child.proc.terminate()
         for child in self.children:

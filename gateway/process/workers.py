@@ -94,9 +94,15 @@ class GatewayWorkers:
     async def run(self) -> None:
         """Until SIGTERM or SIGINT; then every worker drains and flushes (shutdown_grace_s each, then killed), and
         this process exits with 128 + the signal, as a one-process `serve` does."""
-        loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        got: list[signal.Signals] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            got.append(sig)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await self.supervisor.start()
             await stop.wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -76,6 +77,7 @@ class Admission:
         request_scope(request).accounted = True  # finish() writes this request's event, whatever happens next
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
         task = asyncio.current_task()
+        assert task is not None  # the server runs this in a task
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
         watch.add_done_callback(lambda t: ctx.watching and not t.cancelled() and task.cancel())
         handed_off = False
@@ -167,7 +169,7 @@ class Admission:
         body = ctx.body
         if ctx.kind == "embeddings":  # input only: the team's prompt cap applies, nothing is generated
             cap = apply_caps(ctx.prompt_tokens, None, max_prompt_tokens=ctx.limits.max_prompt_tokens)
-            if not cap.ok:
+            if cap.error is not None:
                 ctx.reason = cap.error.reason
                 raise APIError(400, cap.error.message.replace("messages", "input"), "context_length_exceeded", "input")
             ctx.max_tokens = 0
@@ -185,7 +187,7 @@ class Admission:
             context_window=pool.max_context,
             longest_prompt_tokens=ctx.longest_prompt,
         )
-        if not cap.ok:
+        if cap.error is not None:
             ctx.reason = cap.error.reason  # "too_long" in the event; OpenAI's code for the client
             raise APIError(400, cap.error.message, "context_length_exceeded", param=cap.error.param)
         max_tokens = cap.max_tokens
@@ -206,13 +208,14 @@ class Admission:
         # Any hop of the route plan may serve it (the pool's own instances, then its fallbacks'), and the bill is at
         # the serving pool's prices: hold the dearest, or a cheap primary that is down lets a budget be overrun.
         pools = self.upstreams.pools
+        assert ctx.max_tokens is not None  # apply_caps set it
         plan = [ctx.model, *pools[ctx.model].cfg.fallbacks]
         if ctx.kind == "embeddings":  # as dispatch routes them: a fallback that serves no embeddings is no hop
             plan = [m for m in plan if m == ctx.model or pools[m].serves_embeddings]
         ctx.cost_reserved = max_cost_over((pools[m].cfg.prices for m in plan), ctx.prompt_tokens, ctx.max_tokens)
         # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits is counted
         # too, so a limit set later applies to what it spent.
-        key = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
+        key: dict[str, Any] = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
         try:
             try:
                 if not self.state_ready:
@@ -243,11 +246,12 @@ class Admission:
 
     async def take_slot(self, ctx: RequestContext) -> None:
         state = self.local if ctx.local_state else self.state
+        assert state is not None  # admitted under local limits only where there are some
         key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
         key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
         try:
             # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
-            lease = {"key_id": key_id, "lease_id": uuid.uuid4().hex}
+            lease: dict[str, Any] = {"key_id": key_id, "lease_id": uuid.uuid4().hex}
             self.settler.journal.slot(ctx, **lease)
             acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_max=key_max, **lease)
             got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, **lease), ctx)

@@ -21,9 +21,11 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
     from tokenweir.gateway.auth.authenticator import Principal
+    from tokenweir.gateway.request.queue import Ticket
     from tokenweir.gateway.request.relay import SSEStream
     from tokenweir.gateway.request.stream_chunks import ChunkFilter
     from tokenweir.gateway.upstream.pools import Hop
+    from tokenweir.policies.reservation import Reservation
 
 # Client strings copied into events, logs and metric labels are cut to this many characters.
 MAX_CLIENT_STRING = 256
@@ -81,10 +83,10 @@ class RequestContext:
     prompts: int = 1  # a /v1/completions batch's prompts, each completed on its own
     prompt_tokens: int = 0  # all prompts together
     longest_prompt: int = 0  # the batch's longest prompt: what the context window must hold
-    reservation: object | None = None
+    reservation: Reservation | None = None
     slot: bool = False
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away
-    ticket: object | None = None
+    ticket: Ticket | None = None
     queue_s: float | None = None
     hop: Hop | None = None
     served_model: str | None = None  # the pool of the last hop tried: its usage row
@@ -125,6 +127,7 @@ class RequestContext:
     def admitted(cls, request_id: str, principal: Principal, body: dict, kind: str) -> RequestContext:
         """The context of a request admission takes: what the body asks for, within what its team's key grants."""
         team = principal.team
+        assert team is not None  # Admission.new_context refuses a key without a team
         priority = team.limits.priority
         asked = body.get("priority")
         if isinstance(asked, int) and not isinstance(asked, bool):

@@ -140,6 +140,7 @@ class Dispatcher:
         finally:
             ctx.upstream_end = time.perf_counter()
         ctx.incomplete = False
+        assert ctx.dispatched_at is not None  # dispatch set it for this hop
         ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
         ctx.usage = obj.get("usage")
         if not ctx.usage:
@@ -192,6 +193,7 @@ class Dispatcher:
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
         except HTTPError as e:
             raise relay.failed(hop, "connection failed", e) from e
+        assert ctx.dispatched_at is not None  # dispatch set it for this hop
         ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
         deadline = ctx.deadline_base + total
 
@@ -211,6 +213,7 @@ class Dispatcher:
     async def pump(self, ctx: RequestContext, first: list[bytes], deadline: float, send) -> bool:
         """Relay the rest of the stream. False if the client went away (a send failed)."""
         chunks, sse = ctx.chunks, ctx.sse
+        assert chunks is not None and sse is not None and ctx.hop is not None  # open_stream set them for this hop
         tail = b""
         try:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
@@ -258,6 +261,7 @@ class Dispatcher:
         chunks, hop = ctx.chunks, ctx.hop
         ctx.reason, ctx.finish_reason = "output_cut", "length"
         sse, ctx.sse = ctx.sse, None
+        assert chunks is not None and hop is not None and sse is not None  # a stream of this hop is being relayed
         await sse.aclose()
         if hop.instance.cfg.engine:  # still `incomplete`: a client gone during the abort gets one from finish
             answer = await relay.abort(self.client, hop, ctx.upstream_id)

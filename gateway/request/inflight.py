@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -78,8 +78,8 @@ class InflightJournal:
         """A reservation was taken: what the request's event needs, and its hold's id in a shared state."""
         res = ctx.reservation
         shared = getattr(res, "backend_id", None) if not ctx.local_state else None
-        line = {"t": "res", "rid": ctx.request_id, "team": ctx.team_id, "key": ctx.key_id, "model": ctx.model}
-        line |= {"kind": ctx.kind, "stream": ctx.stream, "priority": ctx.priority, "user": ctx.user}
+        line: dict[str, Any] = {"t": "res", "rid": ctx.request_id, "team": ctx.team_id, "key": ctx.key_id}
+        line |= {"model": ctx.model, "kind": ctx.kind, "stream": ctx.stream, "priority": ctx.priority, "user": ctx.user}
         line |= {"prompt": ctx.prompt_tokens, "max": ctx.max_tokens, "ts": time.time(), "local": ctx.local_state}
         line |= {"res_id": shared, "res_key": getattr(res, "key_id", None)}
         self._append(ctx, line)
@@ -212,7 +212,7 @@ async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstre
         body={},
         team_id=res["team"],
         key_id=res["key"],
-        limits=None,
+        limits=None,  # type: ignore[arg-type]  # a recovered request's event and bill need no limits
         model=res["model"],
         stream=res["stream"],
         t0=time.perf_counter(),
@@ -241,6 +241,7 @@ async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstre
         outbox.put(op | {"tokens": tokens, "now": ts, "cost": cost or 0})
     if prompt is None:
         return 0
+    assert completion is not None  # None only together with prompt
     settler.record(ctx, ts, prompt, completion, 0, cost)
     return 1
 
@@ -248,6 +249,7 @@ async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstre
 async def _made(u: Unfinished, client: HTTP1Pool, upstreams: Upstreams) -> tuple[int, int, str | None]:
     """What the request's attempts made: our engine says exactly (it remembers the usage of requests it finished);
     an attempt it cannot answer for, or an external last one, is billed at the reservation's bound."""
+    assert u.res is not None  # _settle asks only for a request that took a reservation
     prompt = completion = 0
     source = None
     for i, hop in enumerate(u.hops):

@@ -233,6 +233,7 @@ class StreamResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         disconnected, shutdown, watching = False, False, True
         task = asyncio.current_task()
+        assert task is not None  # the server runs this in a task
         watch = asyncio.ensure_future(wait_disconnect(receive))
         watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
         try:

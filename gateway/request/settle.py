@@ -75,10 +75,11 @@ class Settler:
             request_id=scope.request_id,
             kind=_kind(request.url.path),
             body={},
-            team_id=team.id if team is not None else None,
-            key_id=principal.key.id if principal is not None else None,
-            limits=team.limits if team is not None else None,
-            model=model if isinstance(model, str) else None,
+            # Refused before admission: team, key, limits and model may be unknown (None); an admitted one's never are
+            team_id=team.id if team is not None else None,  # type: ignore[arg-type]
+            key_id=principal.key.id if principal is not None else None,  # type: ignore[arg-type]
+            limits=team.limits if team is not None else None,  # type: ignore[arg-type]
+            model=model if isinstance(model, str) else None,  # type: ignore[arg-type]
             stream=False,
             t0=scope.t0,
             deadline_base=0.0,
@@ -121,6 +122,7 @@ class Settler:
         state = self.local if ctx.local_state else self.state
         if ctx.slot:
             ctx.slot = False
+            assert state is not None  # admitted under local limits only where there are some
             release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
             await self.state_change(release, ctx)  # its own lease, the one it journaled
         try:
@@ -137,6 +139,7 @@ class Settler:
             log.exception("finish_cost_failed", request_id=ctx.request_id)
         ts = time.time()
         if ctx.reservation is not None:
+            assert state is not None  # as above
             await self.state_change(state.settle(ctx.reservation, prompt, completion, ts, cost=cost or 0), ctx)
             if ctx.local_state and self.outbox is not None:
                 # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
@@ -204,8 +207,8 @@ class Settler:
             def undo(t: asyncio.Task) -> None:
                 if t.cancelled():
                     return
-                if isinstance(t.exception(), StateUnavailable):
-                    self.defer(t.exception())
+                if isinstance(exc := t.exception(), StateUnavailable):
+                    self.defer(exc)
                 elif t.exception() is None and t.result():
                     relay.spawn(self.state_change(give_back(t.result()), ctx))
 
@@ -264,6 +267,7 @@ class Settler:
         chunks = ctx.chunks
         per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
         if chunks is not None and chunks.first_token_at is not None and per_choice > 1:
+            assert chunks.last_token_at is not None  # set with first_token_at
             tpot = (chunks.last_token_at - chunks.first_token_at) / (per_choice - 1)
         if ctx.finish_reason is None and chunks is not None:
             ctx.finish_reason = chunks.finish_reason

@@ -101,6 +101,7 @@ class ChunkFilter:
     def _held(self, obj: dict, choice: dict, piece: str | None) -> tuple[dict | None, str | None]:
         """One choice of a chunk against its bound: as it came, its end in its place (the first delta past the
         bound), or None (output for a choice already cut)."""
+        assert self.per_choice is not None  # process holds choices to a bound only when there is one
         index = choice.get("index", 0)
         if index in self.cut:
             self._rewritten = True
@@ -129,6 +130,7 @@ class ChunkFilter:
         every one has relayed all its bound allows."""
         if not self.cut:
             return False
+        assert self.per_choice is not None  # a choice is cut only at a bound
         return len(self.ended) >= self.choices or sum(self.relayed.values()) >= self.per_choice * self.choices
 
     def ending(self, usage: dict | None) -> bytes:

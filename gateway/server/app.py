@@ -68,7 +68,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         own_store = store is None
-        st = store or await asyncio.to_thread(Store.open, config.store_url)
+        st = store if store is not None else await asyncio.to_thread(Store.open, config.store_url)
         writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
         usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
         client = relay.make_client(config.timeouts.connect_s)
@@ -123,9 +123,10 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)
-    app.add_exception_handler(APIError, _api_error_handler)
-    app.add_exception_handler(RequestValidationError, _validation_handler)
-    app.add_exception_handler(StarletteHTTPException, _http_handler)
+    # Starlette types a handler as taking any Exception, though it calls each with its own class (starlette#2417)
+    app.add_exception_handler(APIError, _api_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
     return app
 
@@ -148,6 +149,7 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
     """Usage of the events written after the store's watermark for this writer (a crash came between the event
     and the usage flush): added and flushed before anything is served or any budget is seeded. Returns their
     upstream request ids (billed already: the in-flight recovery skips them)."""
+    assert usage.writer is not None  # the watermark is kept per writer: the lifespan names this one
     watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
     path, backups = config.events.path, config.events.backups
     replayed, billed = 0, set()
@@ -157,6 +159,7 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
             billed.add(e["upstream_request_id"])
         if e.get("route") and e.get("team"):
             model = e.get("served_model") or e.get("model")
+            assert model is not None  # a served request's event names its model
             prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
             day = day_key(e["ts"])
             usage.add(

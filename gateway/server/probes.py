@@ -40,6 +40,7 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
     detail = await _shows_admin_key(request, services)
     checks: dict[str, str] = {}
     admission = services.admission  # None until the lifespan has started
+    assert services.state is not None and services.upstreams is not None  # create_app built them
     try:
         async with asyncio.timeout(_CHECK_TIMEOUT_S):
             await services.state.ping()
@@ -69,7 +70,7 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
         checks[f"pool:{name}"] = "ok" if any(i["circuit"] == "closed" for i in pools[name]) else "down"
     fail_open = admission is not None and admission.local is not None  # admits without the shared state
     not_ready = checks.get("store") == "down" or (checks["state"] != "ok" and not fail_open)
-    not_ready = not_ready or (pools and all(checks[f"pool:{p}"] == "down" for p in pools))
+    not_ready = not_ready or (bool(pools) and all(checks[f"pool:{p}"] == "down" for p in pools))
     degraded = any(v != "ok" for v in checks.values())
     status = "unavailable" if not_ready else "degraded" if degraded else "ok"
     body = {"status": status, "checks": checks} | ({"pools": pools} if detail else {})
@@ -90,6 +91,7 @@ async def _shows_admin_key(request: Request, services: ServicesDep) -> bool:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, services: ServicesDep) -> Response:
     m = services.metrics
+    assert m is not None and services.config is not None and services.state is not None  # create_app built them
     token = services.config.metrics_token
     if token:
         header = request.headers.get("authorization", "")

@@ -214,7 +214,7 @@ class InMemoryState:
         n = prompt_tokens + max_tokens
         async with self._lock:
             now = self._clock() if now is None else now
-            subjects = [(self._team(team_id), limits)]
+            subjects: list[tuple[_Team, TeamLimits | KeyLimits]] = [(self._team(team_id), limits)]
             # A key without limits is still counted: a limit added later must see what it already spent.
             counted_key = key_id
             if counted_key is not None:
@@ -252,12 +252,15 @@ class InMemoryState:
         for budget in (team.day, team.month):
             if not budget.fits(n, now):
                 reset = seconds_until_reset(budget.period, now)
-                remaining = budget.remaining(now)
-                raise budget_rejection(budget.period, budget.limit, remaining, n, reset, headers)
+                limit, remaining = budget.limit, budget.remaining(now)
+                assert limit is not None and remaining is not None  # an unlimited budget fits anything
+                raise budget_rejection(budget.period, limit, remaining, n, reset, headers)
         for budget in (team.day_cost, team.month_cost):
             if not budget.fits(cost, now):
                 reset = seconds_until_reset(budget.period, now)
-                raise spend_rejection(budget.period, budget.limit, budget.remaining(now), cost, reset, headers)
+                limit, remaining = budget.limit, budget.remaining(now)
+                assert limit is not None and remaining is not None  # an unlimited budget fits anything
+                raise spend_rejection(budget.period, limit, remaining, cost, reset, headers)
 
     async def settle(
         self,

@@ -20,6 +20,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -190,7 +191,7 @@ class RedisState:
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
         if code == 7:
             if not seeding_tried and self.on_unseeded is not None and await self.on_unseeded(team_id):
-                key = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
+                key: dict[str, Any] = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
                 return await self.reserve(team_id, limits, prompt_tokens, max_tokens, now, **key)
             raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
         used = [int(u) for u in used]
@@ -218,7 +219,7 @@ class RedisState:
             return reservation
         self.live_holds.pop(reservation.backend_id or "", None)
         now = self._clock() if now is None else now
-        op = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
+        op: dict[str, Any] = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
         op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
         over = await self.replay(op)
         return reservation.mark_settled(prompt_tokens + completion_tokens, cost, max(0, int(over)))
@@ -353,12 +354,16 @@ class RedisState:
         now = self._clock() if now is None else now
         day_k, month_k, _, _, d_exp, m_exp = self._keys.period_keys(team_id, now, key_id)
         with self._sync.pipeline() as pipe:
-            pipe.hsetnx(day_k, "spent", day_tokens).expire(day_k, d_exp)
-            pipe.hsetnx(month_k, "spent", month_tokens).expire(month_k, m_exp)
+            # one command a statement: the stubs type each as its reply, not as the pipeline it returns
+            pipe.hsetnx(day_k, "spent", day_tokens)
+            pipe.expire(day_k, d_exp)
+            pipe.hsetnx(month_k, "spent", month_tokens)
+            pipe.expire(month_k, m_exp)
             for hash_key, cost in ((day_k, day_cost), (month_k, month_cost)):
                 if cost is not None:
                     micros, below = split_femtos(cost)
-                    pipe.hsetnx(hash_key, "cost_spent", micros).hsetnx(hash_key, "cost_spent_rem", below)
+                    pipe.hsetnx(hash_key, "cost_spent", micros)
+                    pipe.hsetnx(hash_key, "cost_spent_rem", below)
             pipe.execute()
 
     def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:

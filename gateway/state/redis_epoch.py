@@ -10,7 +10,7 @@ the holds and leases it still has in flight (`restore`); one replica at a time (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.gateway.state.redis_lua import script_args
@@ -63,7 +63,7 @@ class RedisEpoch:
 
     async def current(self) -> str | None:
         """The epoch Redis holds (None: never seeded, or its data is gone)."""
-        return await self.redis.get(self._epoch_key)
+        return cast("str | None", await self.redis.get(self._epoch_key))  # decode_responses: str, never bytes
 
     async def set(self, epoch: str) -> None:
         await self.redis.set(self._epoch_key, epoch)
@@ -123,7 +123,8 @@ class RedisEpoch:
         async with self.redis.pipeline(transaction=False) as pipe:
             for (team_id, key_id), leases in list(state.leases.items()):
                 for slots in {keys_.key(team_id, "slots"), keys_.key(team_id, keys_.subject(key_id) + "slots")}:
-                    if leases:
-                        pipe.zadd(slots, dict.fromkeys(leases, expiry)).pexpire(slots, ttl_ms)
+                    if leases:  # one command a statement: the stubs type each as its reply, not as the pipeline
+                        pipe.zadd(slots, dict.fromkeys(leases, expiry))
+                        pipe.pexpire(slots, ttl_ms)
             await pipe.execute()
         return restored

@@ -64,7 +64,7 @@ def snapshot_view(team_id: str, now: float, results: list) -> dict:
 
 
 def _window(limit: int | None, used: int, reset: float) -> WindowHeaders | None:
-    return None if limit is None else WindowHeaders(limit, remaining(limit, used), reset)
+    return None if limit is None else WindowHeaders(limit, max(0, limit - used), reset)
 
 
 def merged_headers(subject_limits: list, used: list[int], now: float) -> dict[str, str]:
@@ -94,4 +94,5 @@ def reserve_rejection(
         limit = lim.tokens_per_day if code == 3 else lim.tokens_per_month
         return budget_rejection(period, limit, int(detail), n, reset, headers)
     limit = usd_micros(lim.usd_per_day if code == 5 else lim.usd_per_month)
+    assert limit is not None  # the script refuses on a spend budget only where there is one
     return spend_rejection(period, limit, int(detail), cost, reset, headers)

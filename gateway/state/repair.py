@@ -46,8 +46,8 @@ def stored_spend(store: Store, now: float, team_id: str | None = None) -> dict[s
     spend: dict[str, list[SubjectSpend]] = {}
     for t in teams:
         d_cost, m_cost = team_cost.get(t, (0, 0))
-        tokens = (store.spent_tokens(t, day), store.spent_tokens(t, month))
-        spend[t] = [SubjectSpend(None, *tokens, d_cost, m_cost)]
+        spent = (store.spent_tokens(t, day), store.spent_tokens(t, month))
+        spend[t] = [SubjectSpend(None, *spent, d_cost, m_cost)]
     for (t, key_id), row in keys.items():
         if t in spend:
             spend[t].append(SubjectSpend(key_id, *row))

@@ -102,9 +102,11 @@ def apply_migrations(db: Db, files: list[tuple[int, Path | Traversable]]) -> lis
     applied_now = []
     if db.postgres:
         db.execute("SELECT pg_advisory_xact_lock(?)", (_PG_MIGRATION_LOCK,))
-        exists = db.one("SELECT to_regclass('schema_version')")[0] is not None
+        row = db.one("SELECT to_regclass('schema_version')")
+        assert row is not None  # a SELECT without FROM has one row
+        exists = row[0] is not None
     else:
-        exists = db.one("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'")
+        exists = db.one("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'") is not None
     done = {r[0] for r in db.all("SELECT version FROM schema_version")} if exists else set()
     for version, path in files:
         if version in done:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -37,6 +37,8 @@ from tokenweir.gateway.store.usage import UsageQueries, UsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 __all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "UsageRow"]
+
+_T = TypeVar("_T")
 
 # team_limits columns, in TeamLimits order. A field added to TeamLimits needs a migration: the assert says so.
 LIMIT_COLUMNS = (
@@ -204,7 +206,7 @@ class Store(UsageQueries):
             if is_integrity_error(exc):  # lost a race with another replica creating the same name
                 raise Conflict(f"a team named {name!r} already exists") from exc
             raise
-        return self.get_team(team_id)
+        return _written(self.get_team(team_id))
 
     def get_team(self, team_id: str) -> Team | None:
         rows = self._read(_TEAM_SELECT + " WHERE t.id = ?", (team_id,))
@@ -232,14 +234,14 @@ class Store(UsageQueries):
             if is_integrity_error(exc):
                 raise Conflict(f"a team named {name!r} already exists") from exc
             raise
-        return self.get_team(team_id)
+        return _written(self.get_team(team_id))
 
     def set_limits(self, team_id: str, limits: TeamLimits) -> Team:
         with self._tx() as db:
             if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
                 raise NotFound("team", team_id)
             _write_limits(db, team_id, limits)
-        return self.get_team(team_id)
+        return _written(self.get_team(team_id))
 
     def delete_team(self, team_id: str) -> None:
         """Deletes the team, its limits and its keys; its usage rows stay for billing."""
@@ -300,7 +302,7 @@ class Store(UsageQueries):
             if is_integrity_error(exc):  # that secret is stored already (another replica got there first)
                 raise Conflict("a key with this secret already exists") from exc
             raise
-        return secret, self.get_key(key_id)
+        return secret, _written(self.get_key(key_id))
 
     def find_key(self, secret: str) -> ApiKey | None:
         """The key of this secret, revoked or expired included (the caller says which); None if unknown."""
@@ -330,7 +332,7 @@ class Store(UsageQueries):
             if not db.one("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)):
                 raise NotFound("key", key_id)
             db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now_ts(), key_id))
-        return self.get_key(key_id)
+        return _written(self.get_key(key_id))
 
     def set_key_limits(self, key_id: str, limits: KeyLimits | None) -> ApiKey:
         """Replace a team key's own limits (None: it has none, only its team's)."""
@@ -343,7 +345,13 @@ class Store(UsageQueries):
             db.execute("DELETE FROM key_limits WHERE key_id = ?", (key_id,))
             if limits is not None:
                 _write_key_limits(db, key_id, limits)
-        return self.get_key(key_id)
+        return _written(self.get_key(key_id))
+
+
+def _written(row: _T | None) -> _T:
+    """A team or key read back just after this call wrote it: there, unless another replica deleted it meanwhile."""
+    assert row is not None
+    return row
 
 
 def _write_key_limits(db: Db, key_id: str, limits: KeyLimits) -> None:

@@ -7,8 +7,14 @@ A mixin of `Store` (gateway/store/store.py), which supplies the transaction and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenweir.policies.pricing import FEMTOS_PER_MICRO
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from tokenweir.gateway.store.db import Db
 
 _USAGE_COLUMNS = "team_id, day, model, requests, prompt_tokens, completion_tokens, cached_tokens"
 
@@ -54,6 +60,12 @@ KEY_GROUPINGS = {"key": ("team_id", "key_id"), "user": ("team_id", "user_id")}
 
 class UsageQueries:
     """The usage half of `Store`: needs `_tx()` (one transaction) and `_read(sql, params)` from it."""
+
+    if TYPE_CHECKING:  # what Store supplies, declared for the type checker only
+
+        def _tx(self) -> AbstractContextManager[Db]: ...
+
+        def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]: ...
 
     def record_usage(
         self,

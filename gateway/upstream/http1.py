@@ -59,7 +59,8 @@ class _Conn:
             not self.writer.is_closing()
             and not reader.at_eof()
             and reader.exception() is None
-            and not reader._buffer  # asyncio.StreamReader's buffer; no public way to ask if it holds bytes
+            # asyncio.StreamReader's buffer (private: not in its stubs); no public way to ask if it holds bytes
+            and not reader._buffer  # type: ignore[attr-defined]
         )
 
     def close(self) -> None:
@@ -95,7 +96,8 @@ class Response:
         no_body: bool = False,
         http10: bool = False,
     ) -> None:
-        self._pool, self._conn = pool, conn
+        self._pool = pool
+        self._conn: _Conn | None = conn  # None once closed
         self.status_code, self.headers = status, headers
         self._chunked = False
         if no_body or status == 204 or status == 304:
@@ -213,7 +215,7 @@ class HTTP1Pool:
                 raise
             except (asyncio.IncompleteReadError, OSError) as e:
                 conn.close()
-                if answered or getattr(e, "partial", b""):
+                if answered or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
                     raise HTTPError(f"{route.connect_to}: connection closed mid-response: {type(e).__name__}") from e
                 if reused and not fresh and idempotent:
                     fresh = True  # the server dropped a kept-alive socket; a GET can safely go again
@@ -246,7 +248,8 @@ class HTTP1Pool:
     def _proxy_for(self, scheme: str, authority: str) -> tuple[str, int, str | None] | None:
         """(host, port, Proxy-Authorization value) of the proxy for this target, or None to go direct."""
         url = self._proxies.get(scheme)
-        if not url or urllib.request.proxy_bypass_environment(authority, self._proxies):
+        # proxy_bypass_environment: in urllib.request but not its __all__, so absent from its stubs
+        if not url or urllib.request.proxy_bypass_environment(authority, self._proxies):  # type: ignore[attr-defined]
             return None
         p = urlsplit(url if "://" in url else "http://" + url)
         if p.scheme != "http":
@@ -354,6 +357,7 @@ async def request_json(
 
 async def _tunnel(route: _Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ctx) -> None:
     """CONNECT through the proxy, require a 2xx, then TLS to the target inside the tunnel."""
+    assert route.proxy is not None  # a tunnel only for a route through a proxy
     auth = f"proxy-authorization: {route.proxy[2]}\r\n" if route.proxy[2] else ""
     writer.write(f"CONNECT {route.connect_to} HTTP/1.1\r\nhost: {route.connect_to}\r\n{auth}\r\n".encode("latin-1"))
     try:

@@ -186,6 +186,7 @@ class Pool:
         strategy, hashes, hits = self.cfg.strategy, [], {}
         block_size = self.block_size() if strategy == "prefix" and token_ids else None
         if block_size is not None:
+            assert token_ids  # a block size is looked up only for them
             # the engine looks up at most (n - 1) // block_size blocks (the last token is always computed)
             hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
             hits = self.index.match(hashes)
