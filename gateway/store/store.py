@@ -7,14 +7,12 @@ never block. The SQL plumbing (driver differences, timestamps, migrations runner
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from datetime import UTC, datetime
+from datetime import datetime
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,36 +31,22 @@ from tokenweir.gateway.store.db import (
     parse_ts,
     sqlite_connect,
 )
+from tokenweir.gateway.store.records import (
+    KEY_SELECT,
+    TEAM_SELECT,
+    ApiKey,
+    Team,
+    key_from_row,
+    team_from_row,
+    write_key_limits,
+    write_limits,
+)
 from tokenweir.gateway.store.usage import UsageQueries, UsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 __all__ = ["ApiKey", "Conflict", "NotFound", "Store", "StoreError", "Team", "UsageRow"]
 
 _T = TypeVar("_T")
-
-# team_limits columns, in TeamLimits order. A field added to TeamLimits needs a migration: the assert says so.
-LIMIT_COLUMNS = (
-    "rpm", "tpm", "tokens_per_day", "tokens_per_month", "max_concurrency", "max_prompt_tokens",
-    "max_output_tokens", "allowed_models", "priority", "weight", "queue_timeout_s", "ttft_timeout_s",
-    "total_timeout_s", "usd_per_day", "usd_per_month",
-)  # fmt: skip
-assert tuple(f.name for f in fields(TeamLimits)) == LIMIT_COLUMNS, "TeamLimits changed: add a migration"
-# key_limits columns (migration 0003), in KeyLimits order.
-KEY_LIMIT_COLUMNS = (
-    "rpm", "tpm", "tokens_per_day", "tokens_per_month", "usd_per_day", "usd_per_month", "max_concurrency",
-    "allowed_models",
-)  # fmt: skip
-assert tuple(f.name for f in fields(KeyLimits)) == KEY_LIMIT_COLUMNS, "KeyLimits changed: add a migration"
-
-_TEAM_SELECT = (
-    f"SELECT t.id, t.name, t.enabled, t.created_at, {', '.join('l.' + c for c in LIMIT_COLUMNS)}"
-    " FROM teams t LEFT JOIN team_limits l ON l.team_id = t.id"
-)
-_KEY_COLUMNS = "k.id, k.team_id, k.name, k.prefix, k.is_admin, k.created_at, k.expires_at, k.revoked_at"
-_KEY_SELECT = (
-    f"SELECT {_KEY_COLUMNS}, l.key_id, {', '.join('l.' + c for c in KEY_LIMIT_COLUMNS)}"
-    " FROM api_keys k LEFT JOIN key_limits l ON l.key_id = k.id"
-)
 
 
 class StoreError(Exception):
@@ -78,31 +62,6 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     pass
-
-
-@dataclass(frozen=True)
-class Team:
-    id: str
-    name: str
-    enabled: bool
-    limits: TeamLimits
-    created_at: str
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    id: str
-    team_id: str | None
-    name: str
-    prefix: str
-    is_admin: bool
-    created_at: str
-    expires_at: str | None
-    revoked_at: str | None
-    limits: KeyLimits | None = None  # its own limits, enforced together with its team's; None: the team's only
-
-    def is_expired(self, now: datetime | None = None) -> bool:
-        return self.expires_at is not None and parse_ts(self.expires_at) <= (now or datetime.now(UTC))
 
 
 class Store(UsageQueries):
@@ -201,7 +160,7 @@ class Store(UsageQueries):
                     "INSERT INTO teams (id, name, enabled, created_at) VALUES (?, ?, ?, ?)",
                     (team_id, name, enabled, now_ts()),
                 )
-                _write_limits(db, team_id, limits)
+                write_limits(db, team_id, limits)
         except Exception as exc:
             if is_integrity_error(exc):  # lost a race with another replica creating the same name
                 raise Conflict(f"a team named {name!r} already exists") from exc
@@ -209,15 +168,15 @@ class Store(UsageQueries):
         return _written(self.get_team(team_id))
 
     def get_team(self, team_id: str) -> Team | None:
-        rows = self._read(_TEAM_SELECT + " WHERE t.id = ?", (team_id,))
-        return _team(rows[0]) if rows else None
+        rows = self._read(TEAM_SELECT + " WHERE t.id = ?", (team_id,))
+        return team_from_row(rows[0]) if rows else None
 
     def get_team_by_name(self, name: str) -> Team | None:
-        rows = self._read(_TEAM_SELECT + " WHERE t.name = ?", (name,))
-        return _team(rows[0]) if rows else None
+        rows = self._read(TEAM_SELECT + " WHERE t.name = ?", (name,))
+        return team_from_row(rows[0]) if rows else None
 
     def list_teams(self) -> list[Team]:
-        return [_team(r) for r in self._read(_TEAM_SELECT + " ORDER BY t.created_at, t.id")]
+        return [team_from_row(r) for r in self._read(TEAM_SELECT + " ORDER BY t.created_at, t.id")]
 
     def update_team(self, team_id: str, *, name: str | None = None, enabled: bool | None = None) -> Team:
         try:
@@ -240,7 +199,7 @@ class Store(UsageQueries):
         with self._tx() as db:
             if not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
                 raise NotFound("team", team_id)
-            _write_limits(db, team_id, limits)
+            write_limits(db, team_id, limits)
         return _written(self.get_team(team_id))
 
     def delete_team(self, team_id: str) -> None:
@@ -297,7 +256,7 @@ class Store(UsageQueries):
                     ),
                 )
                 if limits is not None:
-                    _write_key_limits(db, key_id, limits)
+                    write_key_limits(db, key_id, limits)
         except Exception as exc:
             if is_integrity_error(exc):  # that secret is stored already (another replica got there first)
                 raise Conflict("a key with this secret already exists") from exc
@@ -308,23 +267,23 @@ class Store(UsageQueries):
         """The key of this secret, revoked or expired included (the caller says which); None if unknown."""
         digest = keys.hash_secret(secret, self._pepper)
         rows = self._read(
-            f"SELECT k.key_hash, {_KEY_SELECT.removeprefix('SELECT ')} WHERE k.key_hash = ?",
+            f"SELECT k.key_hash, {KEY_SELECT.removeprefix('SELECT ')} WHERE k.key_hash = ?",
             (digest,),
         )
         if not rows or not keys.hashes_match(rows[0][0], digest):
             return None
-        return _key(rows[0][1:])
+        return key_from_row(rows[0][1:])
 
     def get_key(self, key_id: str) -> ApiKey | None:
-        rows = self._read(_KEY_SELECT + " WHERE k.id = ?", (key_id,))
-        return _key(rows[0]) if rows else None
+        rows = self._read(KEY_SELECT + " WHERE k.id = ?", (key_id,))
+        return key_from_row(rows[0]) if rows else None
 
     def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
         if team_id is None:
-            rows = self._read(_KEY_SELECT + " ORDER BY k.created_at, k.id")
+            rows = self._read(KEY_SELECT + " ORDER BY k.created_at, k.id")
         else:
-            rows = self._read(_KEY_SELECT + " WHERE k.team_id = ? ORDER BY k.created_at, k.id", (team_id,))
-        return [_key(r) for r in rows]
+            rows = self._read(KEY_SELECT + " WHERE k.team_id = ? ORDER BY k.created_at, k.id", (team_id,))
+        return [key_from_row(r) for r in rows]
 
     def revoke_key(self, key_id: str) -> ApiKey:
         """Idempotent: revoking twice keeps the first revocation time."""
@@ -344,7 +303,7 @@ class Store(UsageQueries):
                 raise Conflict("an admin key has no team and no limits")
             db.execute("DELETE FROM key_limits WHERE key_id = ?", (key_id,))
             if limits is not None:
-                _write_key_limits(db, key_id, limits)
+                write_key_limits(db, key_id, limits)
         return _written(self.get_key(key_id))
 
 
@@ -352,54 +311,3 @@ def _written(row: _T | None) -> _T:
     """A team or key read back just after this call wrote it: there, unless another replica deleted it meanwhile."""
     assert row is not None
     return row
-
-
-def _write_key_limits(db: Db, key_id: str, limits: KeyLimits) -> None:
-    values = [getattr(limits, c) for c in KEY_LIMIT_COLUMNS]
-    models = KEY_LIMIT_COLUMNS.index("allowed_models")
-    values[models] = None if limits.allowed_models is None else json.dumps(list(limits.allowed_models))
-    columns = ", ".join(KEY_LIMIT_COLUMNS)
-    db.execute(
-        f"INSERT INTO key_limits (key_id, {columns}) VALUES (?{', ?' * len(KEY_LIMIT_COLUMNS)})", (key_id, *values)
-    )
-
-
-def _write_limits(db: Db, team_id: str, limits: TeamLimits) -> None:
-    values = [getattr(limits, c) for c in LIMIT_COLUMNS]
-    models = LIMIT_COLUMNS.index("allowed_models")
-    values[models] = None if limits.allowed_models is None else json.dumps(list(limits.allowed_models))
-    db.execute("DELETE FROM team_limits WHERE team_id = ?", (team_id,))
-    db.execute(
-        f"INSERT INTO team_limits (team_id, {', '.join(LIMIT_COLUMNS)}) VALUES (?{', ?' * len(LIMIT_COLUMNS)})",
-        (team_id, *values),
-    )
-
-
-def _team(row: tuple) -> Team:
-    raw = dict(zip(LIMIT_COLUMNS, row[4:], strict=True))
-    if raw["allowed_models"] is not None:
-        raw["allowed_models"] = json.loads(raw["allowed_models"])
-    raw = {k: v for k, v in raw.items() if v is not None}  # a missing limits row reads as TeamLimits()
-    return Team(id=row[0], name=row[1], enabled=bool(row[2]), limits=TeamLimits.from_dict(raw), created_at=row[3])
-
-
-def _key(row: tuple) -> ApiKey:
-    return ApiKey(
-        id=row[0],
-        team_id=row[1],
-        name=row[2],
-        prefix=row[3],
-        is_admin=bool(row[4]),
-        created_at=row[5],
-        expires_at=row[6],
-        revoked_at=row[7],
-        limits=_key_limits(row[8:]) if len(row) > 8 and row[8] is not None else None,
-    )
-
-
-def _key_limits(row: tuple) -> KeyLimits:
-    """A key_limits row (its key_id, then KEY_LIMIT_COLUMNS) as KeyLimits."""
-    raw = dict(zip(KEY_LIMIT_COLUMNS, row[1:], strict=True))
-    if raw["allowed_models"] is not None:
-        raw["allowed_models"] = json.loads(raw["allowed_models"])
-    return KeyLimits.from_dict(raw)
