@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.llm_engine import LLMEngine
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.sampling_params import SamplingParams
 
 
 class LLM:

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from tokenweir.common.http.door_limits import http_limits_from_args, uvicorn_options
     from tokenweir.engine.api import build_app
-    from tokenweir.engine.async_engine import AsyncEngine, EngineThread
-    from tokenweir.engine.llm_engine import LLMEngine
+    from tokenweir.engine.core.async_engine import AsyncEngine, EngineThread
+    from tokenweir.engine.core.llm_engine import LLMEngine
 
     try:
         config = engine_config(args)

@@ -1,1 +1,1 @@
-"""Paged-attention and KV-cache kernels: Triton on CUDA, torch reference elsewhere."""
+"""The kernels the engine calls: attention/ (paged attention + KV write backends) and cpu/ (the C++ CPU kernels)."""

@@ -27,14 +27,14 @@ from gguf.quants import quantize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenweir.engine import linear as engine_linear  # noqa: E402
 from tokenweir.engine.config import EngineConfig  # noqa: E402
-from tokenweir.engine.gguf_blocks import pack_q4_1  # noqa: E402
-from tokenweir.engine.linear import Int8Linear, _grouped_int8  # noqa: E402
-from tokenweir.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenweir.engine.sampling_params import SamplingParams  # noqa: E402
-from tokenweir.kernels import cpu_ops  # noqa: E402
-from tokenweir.kernels.cpu_ops import int8_linear, q4_1_linear, q8_linear  # noqa: E402
+from tokenweir.engine.core.llm_engine import LLMEngine  # noqa: E402
+from tokenweir.engine.core.sampling_params import SamplingParams  # noqa: E402
+from tokenweir.engine.model import linear as engine_linear  # noqa: E402
+from tokenweir.engine.model.gguf_blocks import pack_q4_1  # noqa: E402
+from tokenweir.engine.model.linear import Int8Linear, _grouped_int8  # noqa: E402
+from tokenweir.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenweir.kernels.cpu.ops import int8_linear, q4_1_linear, q8_linear  # noqa: E402
 
 KERNELS = {"weight-only": int8_linear, "q8": q8_linear, "q4_1": q4_1_linear}
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (K, N): o_proj-like, down_proj, lm_head (Q8_0 in the GGUF)

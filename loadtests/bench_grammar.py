@@ -7,7 +7,7 @@ For each library (xgrammar, llguidance, outlines-core) and each schema: compile 
 automaton, cache off), matcher creation time (per request), and the per-token mask time (mean and p99) while walking
 a valid compact JSON document token by token: compute the mask into a packed int32 bitmask, check the document's
 next token is allowed, accept it; at the end check a stop token is allowed. The JSON is compact (no whitespace
-between tokens) as engine/structured.py configures it. Each library runs in its own subprocess with a time limit so
+between tokens) as engine/text/structured.py configures it. Each library runs in its own subprocess with a time limit so
 one that hangs or crashes gets an "n/a (reason)" row instead of taking the run down.
 
 This file is the command line, the subprocess per library, the table and the picture. The pieces:
@@ -28,14 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loadtests.grammar_measure import apply_timings, worker  # noqa: E402
 from loadtests.grammar_schemas import SCHEMAS  # noqa: E402
 
-LIBS = ("xgrammar", "llguidance", "outlines-core", "engine")  # engine: engine/structured.py over llguidance
+LIBS = ("xgrammar", "llguidance", "outlines-core", "engine")  # engine: engine/text/structured.py over llguidance
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 NOTES = """Notes:
 - compile: grammar -> token-level automaton with the library's cache off; matcher: per-request state from it
   (llguidance and engine: a deep copy of a compiled matcher). mask: computing one packed int32 bitmask.
-- engine = engine/structured.py (llguidance underneath, the wrapper's Python overhead included).
+- engine = engine/text/structured.py (llguidance underneath, the wrapper's Python overhead included).
 - xgrammar json_object n/a: its any-JSON sub-grammar hard-codes ", " between nested items even with separators
   (",", ":"), so a compact document is rejected (its output is still JSON, with spaces).
 - outlines-core compiles a regex to a DFA: json_object becomes objects nested at most 3 deep, and takes seconds.

@@ -1,5 +1,5 @@
 """Structured-output overhead per output token: the same 16 prompts decoded as one batch, free and under a JSON
-schema (grammar masks from engine/structured.py), in one run on one machine:
+schema (grammar masks from engine/text/structured.py), in one run on one machine:
 
     .venv/bin/python loadtests/bench_structured.py --plot loadtests/results/bench_structured.png
 
@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenweir.engine.config import EngineConfig  # noqa: E402
-from tokenweir.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenweir.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenweir.engine.core.llm_engine import LLMEngine  # noqa: E402
+from tokenweir.engine.core.sampling_params import SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -1,7 +1,7 @@
 """One adapter per grammar library loadtests/bench_grammar.py compares (xgrammar, llguidance, outlines-core, and
-engine/structured.py over llguidance), each set up on SmolLM2's tokenizer with the same four calls: compile(schema),
-matcher(grammar), fill(matcher, bitmask) into a packed int32 bitmask, accept(matcher, token). ADAPTERS maps the
-command line's library names to them.
+engine/text/structured.py over llguidance), each set up on SmolLM2's tokenizer with the same four calls:
+compile(schema), matcher(grammar), fill(matcher, bitmask) into a packed int32 bitmask, accept(matcher, token).
+ADAPTERS maps the command line's library names to them.
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ class OutlinesCore:
 
 
 class Engine:
-    """engine/structured.py itself (llguidance underneath): the wrapper's overhead on top of the library."""
+    """engine/text/structured.py itself (llguidance underneath): the wrapper's overhead on top of the library."""
 
     def __init__(self, tok, vocab_size: int):
-        from tokenweir.engine.structured import StructuredOutputs
+        from tokenweir.engine.text.structured import StructuredOutputs
 
         self.so = StructuredOutputs(tok, vocab_size, set(tok.stop_token_ids), num_threads=1)
 

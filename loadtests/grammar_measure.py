@@ -1,6 +1,6 @@
 """The measurements of loadtests/bench_grammar.py: worker() runs in one library's subprocess and prints a JSON line
 per schema (compile, matcher creation, per-token mask mean and p99 over walks of the valid document, checking each
-token is allowed and a stop token at the end); apply_timings() times engine.structured.apply_token_bitmask.
+token is allowed and a stop token at the end); apply_timings() times engine.text.structured.apply_token_bitmask.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def worker(lib: str, walks: int, schemas: list[str]) -> None:
 
 
 def apply_timings() -> list[str]:
-    """Cost of setting forbidden logits to -inf from packed masks (engine.structured.apply_token_bitmask, CPU)."""
+    """Cost of setting forbidden logits to -inf from packed masks (engine.text.structured.apply_token_bitmask, CPU)."""
     import torch
 
-    from tokenweir.engine.structured import apply_token_bitmask
+    from tokenweir.engine.text.structured import apply_token_bitmask
 
     out = ["| apply_token_bitmask (float32 logits, CPU) | sparse mask us | dense mask us |", "|---|---:|---:|"]
     for rows in (1, 8, 32):

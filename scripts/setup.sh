@@ -37,7 +37,7 @@ fi
 TOKENWEIR_KERNEL_BUILD_TIMEOUT_S=${TOKENWEIR_KERNEL_BUILD_TIMEOUT_S:-1800} .venv/bin/python -c "
 import logging
 logging.basicConfig(level=logging.INFO, format='setup: %(message)s')
-from tokenweir.kernels.cpu_ops import load
+from tokenweir.kernels.cpu.ops import load
 print('setup: CPU kernels', 'ready' if load() else 'unavailable (dense weights, torch attention)')"
 
 # nginx and prometheus for the lab tests: installed when missing, where root and apt-get are; never fatal.

@@ -20,6 +20,6 @@ def smollm2_float32_engine():
     One for the session: building it (parsing and dequantizing the GGUF) costs more than most tests that use it. Its
     users read their own requests' outputs, deltas of its counters, or only its model and tokenizer."""
     from tokenweir.engine.config import EngineConfig
-    from tokenweir.engine.llm_engine import LLMEngine
+    from tokenweir.engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=1024, dtype="float32", quantization="none"))

@@ -76,7 +76,7 @@ def test_n_choices(served):
 
 
 def test_top_logprobs_match_the_models_own_distribution(served, engine):
-    from tokenweir.engine.attention import AttentionMetadata
+    from tokenweir.engine.model.attention import AttentionMetadata
 
     chat = served.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5

@@ -1,5 +1,5 @@
-"""The prefix cache's block hash chain, shared by the engine (engine/block_manager.py keys its cache with it) and
-the gateway (which computes a prompt's hashes to route it to the instance that holds its prefix). One definition,
+"""The prefix cache's block hash chain, shared by the engine (engine/core/block_manager.py keys its cache with it)
+and the gateway (which computes a prompt's hashes to route it to the instance that holds its prefix). One definition,
 so the two always agree.
 
 A block's hash names the whole prefix up to and including that block: `chain(parent, tokens)` hashes the parent

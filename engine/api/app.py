@@ -11,7 +11,7 @@ from tokenweir.common.http.request_id import request_id_from
 from tokenweir.engine.api.auth import ApiKeyMiddleware
 from tokenweir.engine.api.errors import add_error_handlers
 from tokenweir.engine.api.routes import router
-from tokenweir.engine.async_engine import AsyncEngine
+from tokenweir.engine.core.async_engine import AsyncEngine
 
 
 def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:

@@ -11,9 +11,8 @@ import uuid
 from collections.abc import Sequence
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from tokenweir.engine.responses import (
+from tokenweir.engine.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from tokenweir.engine.api.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -28,7 +27,8 @@ from tokenweir.engine.responses import (
     ToolCallDelta,
     TopLogprob,
 )
-from tokenweir.engine.sequence import TokenLogprob
+from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.sequence import TokenLogprob
 
 
 def _tool_call_id() -> str:

@@ -1,7 +1,7 @@
 """The engine's HTTP routes: OpenAI's /v1 endpoints and vLLM-style extras (/tokenize, /detokenize, /abort, /load,
 /health, /metrics).
 
-Routes stay thin: the body arrives validated (engine/protocol.py), the prompt becomes token ids, AsyncEngine checks
+Routes stay thin: the body arrives validated (engine/api/protocol.py), the prompt becomes token ids, AsyncEngine checks
 the request against its limits and streams the outputs, and any error is raised for the app's handlers to render.
 """
 
@@ -19,18 +19,14 @@ from tokenweir.common.text import prefix_hash
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.api.choices import ChatRenderer, CompletionRenderer
 from tokenweir.engine.api.errors import APIError
-from tokenweir.engine.api.streaming import stream_response
-from tokenweir.engine.async_engine import AsyncEngine, RequestStream
-from tokenweir.engine.llm_engine import RequestError
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.protocol import (
+from tokenweir.engine.api.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenweir.engine.responses import (
+from tokenweir.engine.api.responses import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -41,6 +37,10 @@ from tokenweir.engine.responses import (
     Usage,
     dump_response,
 )
+from tokenweir.engine.api.streaming import stream_response
+from tokenweir.engine.core.async_engine import AsyncEngine, RequestStream
+from tokenweir.engine.core.llm_engine import RequestError
+from tokenweir.engine.core.output import RequestOutput
 
 
 def _engine(request: Request) -> AsyncEngine:

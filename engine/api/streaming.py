@@ -17,9 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from tokenweir.engine.api.errors import to_api_error
-from tokenweir.engine.async_engine import RequestStream
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.responses import (
+from tokenweir.engine.api.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     Completion,
@@ -27,6 +25,8 @@ from tokenweir.engine.responses import (
     Usage,
     dump_response,
 )
+from tokenweir.engine.core.async_engine import RequestStream
+from tokenweir.engine.core.output import RequestOutput
 
 
 class RequestStreamResponse(StreamingResponse):

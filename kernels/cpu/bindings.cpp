@@ -1,4 +1,4 @@
-// The CPU kernels as one extension module (kernels/cpu_ops.py compiles and loads it).
+// The CPU kernels as one extension module (kernels/cpu/ops.py compiles and loads it).
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales);

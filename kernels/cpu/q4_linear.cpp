@@ -11,7 +11,7 @@
 // so x ~ (dx / 254) * (254 * q1 + q2), about 15 bits where Q8_1 has 8, and s is the block's exact float sum. Each
 // weight vector then takes two maddubs; a decode step, bound by reading the weights, hardly notices.
 //
-// Weight layout (pack_q4_1 in engine/gguf_blocks.py makes it from the GGUF's blocks), per row of B = K / 32 blocks:
+// Weight layout (pack_q4_1 in engine/model/gguf_blocks.py makes it from the GGUF's blocks), per row of B = K / 32 blocks:
 //   [B * 16 nibble bytes][B float16 d][B float16 m]
 // One row is one stream (the prefetcher follows one stream best), 20 bytes a block as in the file. The nibble bytes
 // of every full group of 8 blocks are interleaved by 4-byte words: word (t, j), at (t * 8 + j) * 4, holds bytes

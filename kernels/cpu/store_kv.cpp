@@ -1,6 +1,6 @@
 // The KV cache write of every layer as plain row copies: the torch reference (index_copy_ after .long(), a validity
 // mask and a host-side `all()`) costs ~45 us a layer at batch 1, most of it dispatch, for 768 bytes of data.
-// Same contract as kernels/reference.py store_kv, for key/value already in the cache's dtype (any element size).
+// Same contract as kernels/attention/reference.py store_kv, for key/value already in the cache's dtype (any element size).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

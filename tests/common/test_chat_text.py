@@ -15,7 +15,7 @@ MESSAGES = [
 
 
 def test_the_engine_renders_what_the_gateway_counts():
-    from tokenweir.engine.protocol import ChatMessage
+    from tokenweir.engine.api.protocol import ChatMessage
 
     for message in MESSAGES:
         engine_view = ChatMessage.model_validate(message).to_template()

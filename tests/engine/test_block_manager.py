@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from tokenweir.engine.block_manager import BlockManager
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.llm_engine import LLMEngine
-from tokenweir.engine.sampling_params import SamplingParams
-from tokenweir.engine.sequence import Sequence
+from tokenweir.engine.core.block_manager import BlockManager
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.core.sequence import Sequence
 
 
 def seq(request_id: str, tokens: list[int]) -> Sequence:

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenweir.engine.attention import AttentionMetadata
-from tokenweir.engine.llm_engine import LLMEngine
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.model.attention import AttentionMetadata
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.tiny_llama import make_tiny_llama
-from tokenweir.engine.async_engine import AsyncEngine
 from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.core.async_engine import AsyncEngine
+from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.flags import build_parser, engine_config, parse_args
-from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.engine.server import build_app
 
 
@@ -138,7 +138,7 @@ import logging
 from tokenweir.common.logging import configure
 configure("info")
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.common.logging import get_logger
 LLMEngine(EngineConfig(model={model_dir!r}, num_kv_blocks=8, num_threads=1))
 logging.getLogger("uvicorn.error").info("Application startup complete.")

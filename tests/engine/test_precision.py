@@ -4,14 +4,14 @@ engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model
 import pytest
 import torch
 
+from loadtests.perplexity import window_logprobs
 from tokenweir.common.text.model_files import default_model_path
+from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
-from tokenweir.engine.loader import load_model_weights
-from tokenweir.engine.model import LlamaForCausalLM
-from tokenweir.engine.perplexity import window_logprobs
-from tokenweir.engine.precision import cpu_flags, has_native_bf16, resolve
-from tokenweir.engine.sampling_params import SamplingParams
-from tokenweir.kernels import cpu_ops
+from tokenweir.engine.model.llama import LlamaForCausalLM
+from tokenweir.engine.model.loader import load_model_weights
+from tokenweir.engine.model.precision import cpu_flags, has_native_bf16, resolve
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 SHAPE = (576, 3072)
 

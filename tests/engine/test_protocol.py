@@ -4,7 +4,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from tokenweir.engine.protocol import ChatCompletionRequest
+from tokenweir.engine.api.protocol import ChatCompletionRequest
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [

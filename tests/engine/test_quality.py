@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
+from loadtests.perplexity import perplexity, window_logprobs
 from tokenweir.common.text.model_files import default_model_path
-from tokenweir.engine.linear import Int8Linear, Q4Linear
-from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
-from tokenweir.engine.model import LlamaForCausalLM
-from tokenweir.engine.perplexity import perplexity, window_logprobs
-from tokenweir.engine.precision import has_native_bf16
+from tokenweir.engine.model.linear import Int8Linear, Q4Linear
+from tokenweir.engine.model.llama import LlamaForCausalLM
+from tokenweir.engine.model.loader import load_gguf_blocks, load_model_weights
+from tokenweir.engine.model.precision import has_native_bf16
 
 pytestmark = pytest.mark.slow
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "gfdl-1.3.txt")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenweir.engine.llm_engine import LLMEngine, RequestError, RequestFailed
-from tokenweir.engine.output import RequestOutput, TextState
-from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.core.llm_engine import LLMEngine, RequestError, RequestFailed
+from tokenweir.engine.core.output import RequestOutput, TextState
+from tokenweir.engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ import uvicorn
 
 from tests.engine.tiny_llama import make_tiny_llama
 from tokenweir.common.engine_flags import parse_size
-from tokenweir.engine.async_engine import AsyncEngine, EngineThread
 from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.core.async_engine import AsyncEngine, EngineThread
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
-from tokenweir.engine.llm_engine import LLMEngine
-from tokenweir.engine.sampling_params import SamplingParams
 from tokenweir.engine.server import build_app, main
 
 PROMPT = [5, 17, 42, 99, 3, 250, 8]

@@ -11,9 +11,9 @@ import pytest
 import uvicorn
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.async_engine import AsyncEngine
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.engine.core.async_engine import AsyncEngine
+from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.server import KEEP_ALIVE_S, build_app
 
 pytestmark = pytest.mark.slow

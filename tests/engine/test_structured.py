@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.structured import StructuredOutputs, apply_token_bitmask, unpack_masks
+from tokenweir.engine.text.structured import StructuredOutputs, apply_token_bitmask, unpack_masks
 
 VOCAB = 49152
 
@@ -259,7 +259,7 @@ def test_masks_match_accept_and_apply_sets_exactly_forbidden_to_inf(so, tok):
 
 def test_device_unpack_matches_numpy_unpack():
     """The torch path (used for CUDA logits) and the numpy path (CPU) agree bit for bit, padding included."""
-    from tokenweir.engine.structured import _forbidden_bits, _forbidden_on_device
+    from tokenweir.engine.text.structured import _forbidden_bits, _forbidden_on_device
 
     masks = torch.randint(-(2**31), 2**31 - 1, (3, 1536), dtype=torch.int32)
     for vocab in (VOCAB, VOCAB - 5, VOCAB + 70):
@@ -342,7 +342,7 @@ def test_invalid_specs_raise_helpful_value_errors(so, response_format, words):
 def test_smollm2_greedy_under_mask_writes_valid_json(tok, smollm2_float32_engine):
     """The real model, greedy, its logits masked each step by a loop of our own (no sampler): valid JSON, and the
     mask mattered (at some step the model's own argmax was a token the grammar forbids)."""
-    from tokenweir.engine.attention import AttentionMetadata
+    from tokenweir.engine.model.attention import AttentionMetadata
 
     schema = {
         "type": "object",

@@ -37,7 +37,7 @@ def test_estimate_loads_no_tokenizer_and_no_engine():
         "import sys; from tokenweir.gateway.openai.token_count import TokenCounter; c = TokenCounter(None);"
         "n = c.count_chat([{'role': 'user', 'content': 'hello world'}]);"
         "assert not c.exact and c.tokenizer is None and n > 0, n;"
-        "heavy = ('tokenweir.common.text.tokenizer', 'tokenweir.engine.model', 'torch', 'gguf', 'numpy');"
+        "heavy = ('tokenweir.common.text.tokenizer', 'tokenweir.engine.model.llama', 'torch', 'gguf', 'numpy');"
         "bad = [m for m in heavy if m in sys.modules];"
         "assert not bad, bad"
     )

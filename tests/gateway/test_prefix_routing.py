@@ -108,10 +108,10 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
 
 
 def test_prompt_ids_match_the_engines_own_encoding():
-    """The gateway tokenizes a chat as the engine will (engine/protocol.py to_template + encode_chat), so its block
+    """The gateway tokenizes a chat as the engine will (engine/api/protocol.py to_template + encode_chat), so its block
     hashes name the engine's cache keys."""
     pytest.importorskip("gguf")
-    from tokenweir.engine.protocol import ChatCompletionRequest
+    from tokenweir.engine.api.protocol import ChatCompletionRequest
     from tokenweir.gateway.openai.prompt_ids import _tokenizer, prompt_token_ids
 
     body = {

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenweir.kernels import reference
+from tokenweir.kernels.attention import reference
 
 # Interpreted Triton on CPU (fp32 only there); compiled kernels when a GPU is present. Tests stay fp32 on both.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,7 +2,7 @@
 blocks the next one, a lock whose owner died is taken over, a live build is waited for at most the bound, and a moved
 checkout loads the cached library without compiling.
 
-Each start is a real Python process calling kernels.cpu_ops.load(), with the kernel sources swapped for a one-function
+Each start is a real Python process calling kernels.cpu.ops.load(), with the kernel sources swapped for a one-function
 C++ module (plain Python C API: it compiles in about a second, where the real kernels take minutes) in a fresh
 TORCH_EXTENSIONS_DIR; the build itself is the real one (torch's cpp_extension, ninja, the compiler).
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenweir.kernels import cpu_build, cpu_ops
+from tokenweir.kernels.cpu import build as cpu_build
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,7 @@ PyMODINIT_FUNC TW_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(
 LOADER = """
 import logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-from tokenweir.kernels import cpu_ops
+from tokenweir.kernels.cpu import ops as cpu_ops
 cpu_ops.SOURCES = [sys.argv[1]]
 cpu_ops.HEADERS = []
 started = time.monotonic()
@@ -233,10 +234,10 @@ def test_a_moved_checkout_loads_the_cached_kernels_without_compiling(tmp_path: P
     shutil.copytree(REPO / "kernels", before / kernels, ignore=shutil.ignore_patterns("__pycache__"))
     write_source(before / kernels / "tiny")
     answer, text, built_s = run_loader(before, before / kernels / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
-    assert answer == "42" and str(before / kernels / "cpu_ops.py") in text, text
+    assert answer == "42" and str(before / kernels / "cpu" / "ops.py") in text, text
 
     shutil.move(before, after)
     answer, text, loaded_s = run_loader(after, after / kernels / "tiny" / "tiny.cpp", ext_dir, timeout_s=120)
-    assert answer == "42" and str(after / kernels / "cpu_ops.py") in text, text
+    assert answer == "42" and str(after / kernels / "cpu" / "ops.py") in text, text
     assert loaded_s < 0.5, f"took {loaded_s:.2f} s after the move (the build took {built_s:.2f} s):\n{text}"
     assert "compiling" not in text

@@ -9,9 +9,9 @@ torch code."""
 import pytest
 import torch
 
-from tokenweir.engine.linear import Int8Linear, _dequantize, _grouped_int8, make_linear
-from tokenweir.kernels import reference
-from tokenweir.kernels.cpu_ops import int8_linear, load, paged_decode_attention, q8_linear, q8_quantize
+from tokenweir.engine.model.linear import Int8Linear, _dequantize, _grouped_int8, make_linear
+from tokenweir.kernels.attention import reference
+from tokenweir.kernels.cpu.ops import int8_linear, load, paged_decode_attention, q8_linear, q8_quantize
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -174,7 +174,7 @@ def test_paged_decode_attention_split_over_the_context_equals_the_torch_referenc
 
 
 def test_fused_elementwise_kernels_equal_the_torch_layer_code():
-    from tokenweir.engine.model import apply_rope, rms_norm
+    from tokenweir.engine.model.llama import apply_rope, rms_norm
 
     ops = load()
     g = torch.Generator().manual_seed(5)

@@ -6,8 +6,9 @@ reference."""
 import pytest
 import torch
 
-from tokenweir.engine.precision import cpu_flags
-from tokenweir.kernels import cpu_ops, cpu_paged, reference
+from tokenweir.engine.model.precision import cpu_flags
+from tokenweir.kernels.attention import cpu_paged, reference
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 AVX512 = "avx512f" in cpu_flags()
 

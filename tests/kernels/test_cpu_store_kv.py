@@ -6,7 +6,8 @@ write."""
 import pytest
 import torch
 
-from tokenweir.kernels import cpu_ops, cpu_paged, reference
+from tokenweir.kernels.attention import cpu_paged, reference
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 
 def case(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slot_dtype: torch.dtype, seed: int):

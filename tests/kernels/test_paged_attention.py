@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, make_paged_batch, naive_attention, randn
-from tokenweir.kernels import reference, triton_paged
+from tokenweir.kernels.attention import reference, triton_paged
 
 ATOL = 2e-5
 

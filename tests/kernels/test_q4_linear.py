@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tokenweir.common.text.model_files import default_model_path
-from tokenweir.engine.gguf_blocks import GGUFBlocks, dequantize_q4_1, pack_q4_1, q4_1_fields, q8_0_fields
-from tokenweir.engine.linear import DenseLinear, Int8Linear, Q4Linear, make_linear
-from tokenweir.kernels.cpu_ops import q4_1_dequantize, q4_1_linear
+from tokenweir.engine.model.gguf_blocks import GGUFBlocks, dequantize_q4_1, pack_q4_1, q4_1_fields, q8_0_fields
+from tokenweir.engine.model.linear import DenseLinear, Int8Linear, Q4Linear, make_linear
+from tokenweir.kernels.cpu.ops import q4_1_dequantize, q4_1_linear
 
 # (GGUF tensor, K, N): the model's projection shapes; qkv and gate_up are these rows concatenated
 MODEL_TENSORS = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_gate.weight", "blk.3.ffn_down.weight"]

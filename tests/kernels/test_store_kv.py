@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, randn
-from tokenweir.kernels import reference, triton_paged
+from tokenweir.kernels.attention import reference, triton_paged
 
 
 @pytest.mark.parametrize("impl", [reference, triton_paged], ids=["torch", "triton"])

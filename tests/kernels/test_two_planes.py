@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from tokenweir.engine.gguf_blocks import pack_q4_1, q4_1_fields
-from tokenweir.engine.linear import _dequantize, _grouped_int8
-from tokenweir.kernels.cpu_ops import q4_1_dequantize, q4_1_linear, q8_linear
+from tokenweir.engine.model.gguf_blocks import pack_q4_1, q4_1_fields
+from tokenweir.engine.model.linear import _dequantize, _grouped_int8
+from tokenweir.kernels.cpu.ops import q4_1_dequantize, q4_1_linear, q8_linear
 
 
 def two_planes_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,13 +1,14 @@
-"""kernels.bench: without CUDA it says so and exits 0; --smoke runs every row through the interpreted kernels."""
+"""loadtests/bench_kernels.py: without CUDA it says so and exits 0; --smoke runs every row through the interpreted
+kernels."""
 
 import time
 
 import pytest
 
+from loadtests import bench_kernels as bench
 from tests.kernels.helpers import DEVICE
-from tokenweir.kernels import bench
 
-pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU run `python -m kernels.bench` itself")
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU run `python loadtests/bench_kernels.py` itself")
 
 
 def test_without_cuda_it_points_to_smoke(capsys):

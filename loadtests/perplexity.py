@@ -12,8 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tokenweir.engine.attention import AttentionMetadata
-from tokenweir.engine.model import LlamaForCausalLM
+from tokenweir.engine.model.attention import AttentionMetadata
+from tokenweir.engine.model.llama import LlamaForCausalLM
 
 
 @torch.inference_mode()

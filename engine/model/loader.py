@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tokenweir.engine.config import ModelConfig
-from tokenweir.engine.gguf_blocks import BLOCK_BYTES, GGUFBlocks
+from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
 # llama.cpp's converter permutes q/k rows of these architectures for its interleaved RoPE; we undo it.
 PERMUTED_QK_ARCHS = {"llama", "mistral"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenweir.engine.sequence import Sequence, TokenLogprob
+from tokenweir.engine.core.sequence import Sequence, TokenLogprob
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu", structured=None) -> None:
         self.device = device
-        self.structured = structured  # engine.structured.StructuredOutputs: fills and applies grammar masks
+        self.structured = structured  # engine.text.structured.StructuredOutputs: fills and applies grammar masks
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seq_generators: dict[str, torch.Generator] = {}

@@ -15,19 +15,19 @@ import torch
 
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.attention import AttentionMetadata
-from tokenweir.engine.block_manager import BlockManager
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.linear import GGUF_MODES
-from tokenweir.engine.loader import load_gguf_blocks, load_model_weights
-from tokenweir.engine.model import LlamaForCausalLM
-from tokenweir.engine.model_runner import ModelRunner, kv_block_bytes
-from tokenweir.engine.output import RequestOutput, TextState
-from tokenweir.engine.precision import resolve as resolve_precision
-from tokenweir.engine.sampling_params import SamplingParams
-from tokenweir.engine.scheduler import Scheduler
-from tokenweir.engine.sequence import Sequence
-from tokenweir.engine.stats import SchedulerStats, StepStats
+from tokenweir.engine.core.block_manager import BlockManager
+from tokenweir.engine.core.model_runner import ModelRunner, kv_block_bytes
+from tokenweir.engine.core.output import RequestOutput, TextState
+from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.core.scheduler import Scheduler
+from tokenweir.engine.core.sequence import Sequence
+from tokenweir.engine.core.stats import SchedulerStats, StepStats
+from tokenweir.engine.model.attention import AttentionMetadata
+from tokenweir.engine.model.linear import GGUF_MODES
+from tokenweir.engine.model.llama import LlamaForCausalLM
+from tokenweir.engine.model.loader import load_gguf_blocks, load_model_weights
+from tokenweir.engine.model.precision import resolve as resolve_precision
 
 log = logging.getLogger("tokenweir.engine")
 
@@ -117,7 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.stop_token_ids,
         )
-        self._structured = None  # engine.structured.StructuredOutputs, made on the first request that needs it
+        self._structured = None  # engine.text.structured.StructuredOutputs, made on the first request that needs it
         self.runner = ModelRunner(self.model, config, num_blocks, dtype, device)
         self.sequences: dict[str, Sequence] = {}  # by sequence id (a request's id, or its id and choice for n > 1)
         self.groups: dict[str, list[Sequence]] = {}  # by request id: its choices' sequences
@@ -258,7 +258,7 @@ class LLMEngine:
                     code="invalid_response_format",
                     param="response_format",
                 )
-            from tokenweir.engine.structured import StructuredOutputs
+            from tokenweir.engine.text.structured import StructuredOutputs
 
             self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.stop_token_ids)
             self.runner.sampler.structured = self._structured

@@ -1,8 +1,9 @@
 """Kernel benchmark: Triton paged attention / KV write vs the torch reference, against copy bandwidth.
 
-    python -m kernels.bench                 # CUDA: full table (fp16)
-    python -m kernels.bench --dtype bf16 --quick
-    python -m kernels.bench --smoke         # no GPU: tiny shapes through the Triton interpreter, checks the plumbing
+    .venv/bin/python loadtests/bench_kernels.py                      # CUDA: full table (fp16)
+    .venv/bin/python loadtests/bench_kernels.py --dtype bf16 --quick
+    .venv/bin/python loadtests/bench_kernels.py --smoke              # no GPU: tiny shapes through the Triton
+                                                                     # interpreter, checks the plumbing
 
 Decode is memory bound, so it is scored in GB/s of K/V (+ q and out) moved, next to the device's measured
 device-to-device copy bandwidth (read + write of one large tensor); prefill is scored in causal TFLOP/s.
@@ -167,8 +168,8 @@ def tokens_per_second(step: Callable[[], int], seconds: float = 10.0, warmup_ste
 
 
 def run(dtype: torch.dtype, device: torch.device, timer: Callable, quick: bool, smoke: bool) -> list[str]:
-    from tokenweir.kernels import reference as ref
-    from tokenweir.kernels import triton_paged as tp
+    from tokenweir.kernels.attention import reference as ref
+    from tokenweir.kernels.attention import triton_paged as tp
 
     if smoke:
         decode = [("smollm2-135m", 2, 40)]
@@ -206,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="no GPU needed: tiny fp32 shapes, interpreted Triton")
     args = parser.parse_args(argv)
     if args.smoke:
-        # Must precede the first import of kernels.triton_paged (run() imports it).
+        # Must precede the first import of kernels.attention.triton_paged (run() imports it).
         os.environ["TRITON_INTERPRET"] = "1"
         run(torch.float32, torch.device("cpu"), wall_timer, quick=True, smoke=True)
         return 0
     if not torch.cuda.is_available():
-        print("kernels.bench needs CUDA to time the Triton kernels; try --smoke for a CPU plumbing check.")
+        print("loadtests/bench_kernels.py needs CUDA to time the Triton kernels; try --smoke for a CPU plumbing check.")
         return 0
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     run(dtype, torch.device("cuda"), cuda_timer, quick=args.quick, smoke=False)

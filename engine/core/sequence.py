@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # structured.py pulls in llguidance and torch; a sequence only holds its matcher
-    from tokenweir.engine.structured import Matcher
+    from tokenweir.engine.text.structured import Matcher
 
 
 @dataclass(frozen=True)

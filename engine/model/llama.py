@@ -1,8 +1,8 @@
 """Llama-family decoder over a paged KV cache.
 
-q/k/v and gate/up are fused into one projection each (fewer, wider GEMMs); every projection is an engine.linear
-callable, so the same layer runs dense float32 / bfloat16, int8 weights or a GGUF's own blocks (`blocks`: canonical
-name -> GGUFBlocks, from engine.loader.load_gguf_blocks, for `gguf` and `gguf-a16`).
+q/k/v and gate/up are fused into one projection each (fewer, wider GEMMs); every projection is an
+engine.model.linear callable, so the same layer runs dense float32 / bfloat16, int8 weights or a GGUF's own blocks
+(`blocks`: canonical name -> GGUFBlocks, from engine.model.loader.load_gguf_blocks, for `gguf` and `gguf-a16`).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenweir.engine.attention import AttentionMetadata, PagedAttention
 from tokenweir.engine.config import ModelConfig
-from tokenweir.engine.gguf_blocks import GGUFBlocks
-from tokenweir.engine.linear import GGUF_MODES, make_linear
-from tokenweir.kernels import cpu_ops
+from tokenweir.engine.model.attention import AttentionMetadata, PagedAttention
+from tokenweir.engine.model.gguf_blocks import GGUFBlocks
+from tokenweir.engine.model.linear import GGUF_MODES, make_linear
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

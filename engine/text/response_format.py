@@ -1,4 +1,4 @@
-"""An OpenAI `response_format` before it becomes a grammar (engine/structured.py compiles it): the spec checked
+"""An OpenAI `response_format` before it becomes a grammar (engine/text/structured.py compiles it): the spec checked
 field by field, with errors a client can act on, and a json_schema's objects closed to the keys they list.
 Pure data in and out: no llguidance, no torch."""
 

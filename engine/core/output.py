@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenweir.common.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenweir.engine.sequence import TokenLogprob
+from tokenweir.engine.core.sequence import TokenLogprob
 
 
 @dataclass

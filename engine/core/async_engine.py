@@ -27,11 +27,11 @@ from functools import partial
 import torch
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.llm_engine import LLMEngine, RequestError, RequestFailed
-from tokenweir.engine.metrics import EngineMetrics
-from tokenweir.engine.output import RequestOutput
-from tokenweir.engine.sampling_params import SamplingParams
-from tokenweir.engine.stats import SchedulerStats
+from tokenweir.engine.core.llm_engine import LLMEngine, RequestError, RequestFailed
+from tokenweir.engine.core.metrics import EngineMetrics
+from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.core.stats import SchedulerStats
 
 log = logging.getLogger("tokenweir.engine")
 FINISHED_MEMORY = 20_000  # final usage of this many recent requests stays queryable (POST /abort after the fact)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenweir.kernels.ops import get_ops, resolve_backend
+from tokenweir.kernels.attention.backend import get_ops, resolve_backend
 
 
 @dataclass

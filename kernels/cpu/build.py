@@ -219,7 +219,7 @@ def _spawn(paths: CachePaths, spec: dict, lock_fd: int | None) -> subprocess.Pop
     spec = {**spec, "library": paths.library, "log": log_path, "lock_fd": lock_fd}
     with os.fdopen(log_fd, "w") as out:
         proc = subprocess.Popen(
-            # -P: this file's directory (kernels/) must not shadow top-level modules in the builder
+            # -P: this file's directory (kernels/cpu/) must not shadow top-level modules in the builder
             [sys.executable, "-P", os.path.abspath(__file__), json.dumps(spec)],
             stdin=subprocess.DEVNULL,
             stdout=out,

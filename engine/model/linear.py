@@ -28,9 +28,9 @@ from functools import cache
 
 import torch
 
-from tokenweir.engine.gguf_blocks import GGUFBlocks, concat_rows, pack_q4_1, q8_0_fields
-from tokenweir.kernels import cpu_ops
-from tokenweir.kernels.cpu_ops import int8_linear, q8_linear
+from tokenweir.engine.model.gguf_blocks import GGUFBlocks, concat_rows, pack_q4_1, q8_0_fields
+from tokenweir.kernels.cpu import ops as cpu_ops
+from tokenweir.kernels.cpu.ops import int8_linear, q8_linear
 
 log = logging.getLogger("tokenweir.engine")
 QUANTIZATIONS = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")

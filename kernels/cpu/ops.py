@@ -1,7 +1,7 @@
-"""The CPU kernels in kernels/cpu/ (int8 and Q4_1 GEMMs, paged decode attention, KV cache write), compiled once per
+"""The CPU kernels of this folder (int8 and Q4_1 GEMMs, paged decode attention, KV cache write), compiled once per
 machine with the local C++ compiler.
 
-kernels.cpu_build caches the library under the user's cache dir (TORCH_EXTENSIONS_DIR, default
+kernels/cpu/build.py caches the library under the user's cache dir (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions/tokenweir), keyed by the sources' content, the flags, torch and the CPU, so only the first
 load of these sources on a machine pays the 1-4 minute compile (scripts/setup.sh does it), and moving the checkout
 does not. A start waits for a build at most TOKENWEIR_KERNEL_BUILD_TIMEOUT_S (300 s), logging its progress.
@@ -18,20 +18,21 @@ from functools import cache
 
 import torch
 
-from tokenweir.kernels import cpu_build
+from tokenweir.kernels.cpu import build
 
 NAME = "tokenweir_cpu_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.cpp")))
-HEADERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "cpu", "*.h")))
+# next to this file; the build cache key digests their names and content, not this folder's path
+SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.cpp")))
+HEADERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.h")))
 
 
 @cache
 def load():
     """The compiled module, or None where it cannot be had (no compiler, a failed build, or one still running after
     TOKENWEIR_KERNEL_BUILD_TIMEOUT_S)."""
-    return cpu_build.load_extension(NAME, SOURCES, HEADERS, CFLAGS, LDFLAGS, label="CPU kernels")
+    return build.load_extension(NAME, SOURCES, HEADERS, CFLAGS, LDFLAGS, label="CPU kernels")
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,8 @@ def q8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, plane
 
 def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, planes: int = 1) -> torch.Tensor:
     """x [M, K] float32 rounded to Q8_1 per 32 values of a row, packed [N, K / 32 * 20] uint8 Q4_1 rows
-    (engine.gguf_blocks.pack_q4_1) -> [M, N] float32, by integer dot products (llama.cpp's Q4_1 x Q8_1 kernel).
-    planes=2: the activations' rounding error in a second int8 plane, about 15 bits in all."""
+    (engine/model/gguf_blocks.py's pack_q4_1) -> [M, N] float32, by integer dot products (llama.cpp's Q4_1 x Q8_1
+    kernel). planes=2: the activations' rounding error in a second int8 plane, about 15 bits in all."""
     module = load()
     assert module is not None, "the CPU kernels could not be built on this machine"
     return module.q4_1_linear(x, packed, planes)
@@ -79,7 +80,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_decode_attention, float32 only."""
+    """Same contract as kernels.attention.reference.paged_decode_attention, float32 only."""
     return load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -93,9 +94,10 @@ def paged_prefill_attention(
     scale: float,
     bf16: bool = False,
 ) -> torch.Tensor | None:
-    """Same contract as kernels.reference.paged_prefill_attention (int32 tables), or None where the kernel does not
-    cover the case (no AVX-512, head_dim other than 64, non-float32): the caller then takes the reference. bf16: q.k
-    and p.v as bfloat16 dot products summed in float32, where the CPU has them (float32 elsewhere)."""
+    """Same contract as kernels.attention.reference.paged_prefill_attention (int32 tables), or None where the
+    kernel does not cover the case (no AVX-512, head_dim other than 64, non-float32): the caller then takes the
+    reference. bf16: q.k and p.v as bfloat16 dot products summed in float32, where the CPU has them (float32
+    elsewhere)."""
     out = torch.empty(q.shape, dtype=q.dtype)
     done = load().paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, bf16
@@ -110,6 +112,6 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """kernels.reference.store_kv for key, value and caches of one dtype, head_dim contiguous, int32 or int64 slots;
-    anything else returns False without writing (the caller falls back to the reference)."""
+    """kernels.attention.reference.store_kv for key, value and caches of one dtype, head_dim contiguous, int32 or
+    int64 slots; anything else returns False without writing (the caller falls back to the reference)."""
     return load().store_kv(key, value, k_cache, v_cache, slot_mapping)

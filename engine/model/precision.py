@@ -22,8 +22,8 @@ from functools import cache
 
 import torch
 
-from tokenweir.engine.linear import GGUF_MODES, make_linear
-from tokenweir.kernels import cpu_ops
+from tokenweir.engine.model.linear import GGUF_MODES, make_linear
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger("tokenweir.engine")
 

@@ -1,6 +1,6 @@
 """Triton paged attention (decode with split-K, varlen chunked prefill) and the KV-cache write.
 
-Same signatures as kernels/reference.py. Cache layout per layer: [num_blocks, block_size, Hkv, D], a slot is
+Same signatures as kernels/attention/reference.py. Cache layout per layer: [num_blocks, block_size, Hkv, D], a slot is
 block_id * block_size + offset. Kernels walk the context in tiles of BLOCK_N tokens and look up each token's
 block id, so any power-of-two block size works and block-table entries past a context are never read.
 Scores run in the log2 domain (exp2 with scale * log2(e)); softmax statistics and accumulators are fp32.

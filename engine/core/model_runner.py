@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from tokenweir.engine.attention import AttentionMetadata
 from tokenweir.engine.config import EngineConfig, ModelConfig
-from tokenweir.engine.model import LlamaForCausalLM
-from tokenweir.engine.sampler import Sampler, token_logprob
-from tokenweir.engine.scheduler import SchedulerOutput
-from tokenweir.engine.sequence import Sequence, TokenLogprob
+from tokenweir.engine.core.sampler import Sampler, token_logprob
+from tokenweir.engine.core.scheduler import SchedulerOutput
+from tokenweir.engine.core.sequence import Sequence, TokenLogprob
+from tokenweir.engine.model.attention import AttentionMetadata
+from tokenweir.engine.model.llama import LlamaForCausalLM
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tokenweir.engine.block_manager import BlockManager
-from tokenweir.engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from tokenweir.engine.stats import SchedulerStats
+from tokenweir.engine.core.block_manager import BlockManager
+from tokenweir.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
+from tokenweir.engine.core.stats import SchedulerStats
 
 
 @dataclass

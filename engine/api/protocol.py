@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible API's requests as vLLM accepts them (responses: engine/responses.py).
+"""Pydantic models of the OpenAI-compatible API's requests as vLLM accepts them (responses: engine/api/responses.py).
 
 Unknown request fields are ignored (as vLLM does); known fields are validated, so a wrong value is a 400 that names
 the field. Features the engine does not have (best_of > 1, suffix, tool_choice "auto") are refused with a message
@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tokenweir.common.text.chat_text import template_message
-from tokenweir.engine.sampling_params import SamplingParams
+from tokenweir.engine.core.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):

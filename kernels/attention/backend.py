@@ -17,7 +17,7 @@ def resolve_backend(requested: str | None = None) -> str:
     if choice == "auto":
         if torch.cuda.is_available():
             return "triton"
-        from tokenweir.kernels import cpu_ops
+        from tokenweir.kernels.cpu import ops as cpu_ops
 
         return "cpu" if cpu_ops.load() is not None else "torch"
     if choice not in BACKENDS:
@@ -30,7 +30,7 @@ def get_ops(backend: str) -> ModuleType:
     assert backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}"
     # Imported lazily so a CPU-only engine never pulls in triton (and TRITON_INTERPRET can be set first).
     return importlib.import_module(
-        {"triton": "tokenweir.kernels.triton_paged", "cpu": "tokenweir.kernels.cpu_paged"}.get(
-            backend, "tokenweir.kernels.reference"
+        {"triton": "tokenweir.kernels.attention.triton_paged", "cpu": "tokenweir.kernels.attention.cpu_paged"}.get(
+            backend, "tokenweir.kernels.attention.reference"
         )
     )

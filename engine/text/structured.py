@@ -5,7 +5,7 @@ with the tokens it samples, and before each sampling step the sampler asks for a
 (`fill_masks`) and sets every disallowed logit to -inf (`apply_token_bitmask`; `apply_masks` does both). Stop tokens
 are allowed only where the JSON is complete, and the grammar is compact (no whitespace between tokens, "," and ":"
 separators): with free whitespace a small model happily emits newlines forever. The spec is checked, and a schema's
-objects closed to the keys they list, by engine/response_format.py before it compiles.
+objects closed to the keys they list, by engine/text/response_format.py before it compiles.
 
 Library: llguidance. loadtests/bench_grammar.py (SmolLM2's 49152-token vocab, shared 2-core x86 CPU, one thread,
 compact JSON walked token by token; loadtests/results/bench_grammar.md) measured per-token mask mean / p99 in
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.response_format import close_objects, parse_response_format
+from tokenweir.engine.text.response_format import close_objects, parse_response_format
 
 if TYPE_CHECKING:  # declared only in llguidance's stub
     from llguidance._lib import JsonCompileOptions

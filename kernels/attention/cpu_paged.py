@@ -6,7 +6,8 @@ the torch reference. Chosen by `auto` on machines where the CPU kernels build.""
 
 import torch
 
-from tokenweir.kernels import cpu_ops, reference
+from tokenweir.kernels.attention import reference
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv"]
 
