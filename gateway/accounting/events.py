@@ -48,7 +48,7 @@ FIELDS = (
     "served_model",  # the pool whose hop served it (a fallback's name after failover): usage is kept under it
     "user",  # the request's `user` field (the client's end user), clipped like every client string
     "cost",  # USD at the serving pool's prices (config price_*_per_1m); null when the pool has none
-    "kind",  # chat | completion | embeddings
+    "kind",  # chat | completions | embeddings (gateway/openai/endpoints.py: each with its path)
     "upstream_error",  # why the last hop that failed did, its address included (never in the tenant's answer)
     "overrun_tokens",  # completion tokens beyond the output reserved (max_tokens): made, billed, not admitted
     # upstream | engine_abort | estimate_text | reservation_bound (gateway/request/settle.py); null: no hop

@@ -2,11 +2,13 @@
 
     new_context -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch
 
-Every step either passes or raises an APIError whose `code` is the event's `reason`. The RequestContext is made by
+Every step either passes or raises an APIError whose `code` is the event's `reason` (a step that knows better
+decides the outcome itself first: gateway/request/outcome.py). The RequestContext is made by
 gateway/request/context.py, prompts are counted by gateway/openai/token_count.py; what comes after admission lives in
-gateway/request/dispatch.py (hops, failover, relay) and gateway/request/settle.py (the one `finish` per request:
-slots back, bill, event). A client that leaves cancels the handler; whatever a cancelled state call took is given
-back (Settler.take).
+gateway/request/dispatch.py (hops, failover, relay). Admission makes the request's one end
+(gateway/request/request_end.py: Settler.finish, exactly once: slots back, bill, event) and ends it as the handler
+leaves, unless dispatch handed it to a stream's body. A client that leaves cancels the handler; whatever a
+cancelled state call took is given back (Settler.take).
 
 While the shared state is unreachable, reserving answers 503 `state_unavailable` (fail closed), or, with
 `state.on_unavailable: fail_open`, admits under this replica's own in-process limits and writes their spend to
@@ -28,10 +30,12 @@ from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
-from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
+from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.state.memory import InMemoryState, StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
@@ -59,28 +63,31 @@ class Admission:
         events: EventWriter,
         metrics: Metrics,
         usage,
-        outbox: StateOutbox | None = None,
+        outbox: StateOutbox | None,
+        background: BackgroundTasks,
     ) -> None:
         self.config, self.upstreams, self.state, self.queues = config, upstreams, state, queues
+        self.background = background
         # fail_open: while the shared state is away, admit under this replica's own counters
         self.local = InMemoryState() if config.state.on_unavailable == "fail_open" else None
         self.state_ready = True  # False until start-up has seeded the shared state's budgets
         self.counters = TokenCounters(lambda: list(upstreams.pools), lambda m: upstreams.pools[m].cfg.tokenizer)
         self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
         self.settler = Settler(
-            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counters
+            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counters, background
         )
         self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
 
-    async def handle(self, request: Request, principal, body: dict, kind: str) -> Response:
+    async def handle(self, request: Request, principal, body: dict, kind: InferenceKind) -> Response:
         ctx = self.new_context(request, principal, body, kind)
-        request_scope(request).accounted = True  # finish() writes this request's event, whatever happens next
+        end = RequestEnd(ctx, self.settler, self.background)  # the request's one end, whatever happens next
+        request_scope(request).accounted = True  # so its event is the end's, not finish_unadmitted's
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
         task = asyncio.current_task()
         assert task is not None  # the server runs this in a task
+        watching = True  # until the handler leaves: a stream's body watches for itself
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
-        watch.add_done_callback(lambda t: ctx.watching and not t.cancelled() and task.cancel())
-        handed_off = False
+        watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
         try:
             self.check_model(ctx)
             self.count_prompt(ctx)
@@ -88,34 +95,29 @@ class Admission:
             await self.reserve(ctx)
             await self.take_slot(ctx)
             await self.enter_queue(ctx)
-            response = await self.dispatcher.dispatch(ctx)
-            handed_off = isinstance(response, relay.StreamResponse)
-            return response
+            return await self.dispatcher.dispatch(ctx, end)
         except APIError as e:
-            if ctx.status == "ok":
-                ctx.status = "rejected" if not ctx.route else "error"  # shed before any upstream saw it
-            ctx.reason, ctx.http_status = ctx.reason or e.code, e.status
+            # Shed before any upstream saw it: rejected; after: an error (unless the step decided it, a timeout)
+            ctx.outcome.decide("rejected" if not ctx.route else "error", e.code, e.status)
             raise
         except asyncio.CancelledError:
             ctx.incomplete = ctx.incomplete or ctx.hop is not None
-            ctx.status, ctx.http_status, ctx.disconnected = "cancelled", 499, True
             if not (watch.done() and not watch.cancelled()):
-                ctx.reason, ctx.http_status, ctx.disconnected = "shutdown", 503, False
+                ctx.outcome.decide("cancelled", "shutdown", 503)
                 raise  # not the client leaving: the server is shutting down past its grace
             task.uncancel()
-            ctx.reason = "client_disconnected"
+            ctx.outcome.decide("cancelled", "client_disconnected", 499, disconnected=True)
             return Response(status_code=499)
         except Exception:
-            ctx.status, ctx.reason, ctx.http_status = "error", "internal_error", 500
+            ctx.outcome.decide("error", "internal_error", 500)
             ctx.incomplete = ctx.incomplete or ctx.hop is not None
             raise
         finally:
-            ctx.watching = False
+            watching = False
             watch.cancel()
-            if not handed_off:
-                await relay.shielded(self.settler.finish(ctx))
+            await end.handler_exited()
 
-    def new_context(self, request: Request, principal, body: dict, kind: str) -> RequestContext:
+    def new_context(self, request: Request, principal, body: dict, kind: InferenceKind) -> RequestContext:
         if principal.team is None:
             raise APIError(
                 403, "This key belongs to no team (admin keys manage the gateway); use a team key.", "no_team"
@@ -170,7 +172,7 @@ class Admission:
         if ctx.kind == "embeddings":  # input only: the team's prompt cap applies, nothing is generated
             cap = apply_caps(ctx.prompt_tokens, None, max_prompt_tokens=ctx.limits.max_prompt_tokens)
             if cap.error is not None:
-                ctx.reason = cap.error.reason
+                ctx.outcome.decide("rejected", cap.error.reason, 400)
                 raise APIError(400, cap.error.message.replace("messages", "input"), "context_length_exceeded", "input")
             ctx.max_tokens = 0
             return
@@ -188,7 +190,8 @@ class Admission:
             longest_prompt_tokens=ctx.longest_prompt,
         )
         if cap.error is not None:
-            ctx.reason = cap.error.reason  # "too_long" in the event; OpenAI's code for the client
+            # "too_long" in the event; OpenAI's code for the client
+            ctx.outcome.decide("rejected", cap.error.reason, 400)
             raise APIError(400, cap.error.message, "context_length_exceeded", param=cap.error.param)
         max_tokens = cap.max_tokens
         if requested is None and ctx.limits.max_output_tokens is None:

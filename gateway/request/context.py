@@ -2,8 +2,10 @@
 
 `RequestScope` is what is known before admission (its id, arrival time, who called, which model it named): created
 once by the middleware, filled in by auth and body parsing, read by the event of a request refused before admission.
-`RequestContext`, created once by admission and passed down to dispatch and settle, is what it asked for, what it
-was granted, where it went, and what its event says.
+`RequestRecord` is what a request's event says (every request's: refused, admitted or recovered after a crash);
+`RequestContext`, the record of an admitted request, created once by admission and passed down to dispatch and
+settle, adds what it asked for, what it was granted and where it went. Both are data: a request's live I/O belongs
+to the hop that opened it (gateway/request/relay.py HopStream), held by the request's end (request_end.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenweir.common.http.request_id import request_id_from
+from tokenweir.gateway.openai.endpoints import InferenceKind
+from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 if TYPE_CHECKING:
@@ -22,8 +26,6 @@ if TYPE_CHECKING:
 
     from tokenweir.gateway.auth.authenticator import Principal
     from tokenweir.gateway.request.queue import Ticket
-    from tokenweir.gateway.request.relay import SSEStream
-    from tokenweir.gateway.request.stream_chunks import ChunkFilter
     from tokenweir.gateway.upstream.pools import Hop
     from tokenweir.policies.reservation import Reservation
 
@@ -43,7 +45,7 @@ class RequestScope:
     t0: float  # time.perf_counter() at arrival
     principal: Principal | None = None  # set by server.callers.require_key
     model: object = None  # the body's "model" as sent (maybe not a string): set by body.parse_body
-    accounted: bool = False  # admission took the request: settle writes its event, not the refusal path
+    accounted: bool = False  # admission took it: its RequestEnd writes its event, not finish_unadmitted
 
 
 def open_scope(asgi_scope: MutableMapping[str, Any], request_id: str) -> RequestScope:
@@ -61,25 +63,54 @@ def request_scope(conn: HTTPConnection) -> RequestScope:
     return record
 
 
-@dataclass(eq=False)
-class RequestContext:
-    """Everything one request carries through the steps, and what its event will say."""
+@dataclass(slots=True, eq=False, kw_only=True)
+class RequestRecord:
+    """What a request's event says: every request has one. A request refused before admission has only this (its
+    team, key and model may be unknown: None), as has one a dead process left and its restart settles
+    (gateway/request/inflight.py); an admitted one has the whole `RequestContext`."""
 
     request_id: str
-    kind: str  # "chat" | "completions" | "embeddings"
-    body: dict
-    team_id: str
-    key_id: str
-    limits: TeamLimits
-    model: str
-    stream: bool
+    kind: InferenceKind
     t0: float  # time.perf_counter() at arrival: every duration is measured on it
-    deadline_base: float  # loop.time() at arrival: deadlines are loop-time instants (uvloop's clock ticks in ms)
-    priority: int
-    client_usage: bool = False
-    client_continuous: bool = False
+    team_id: str | None = None
+    key_id: str | None = None
+    model: str | None = None  # the model the client named
+    priority: int = 0
+    stream: bool = False
+    user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
+    outcome: Outcome = field(default_factory=Outcome)
     max_tokens: int | None = None  # output tokens reserved: choices x the body's max_tokens (0 for embeddings)
     choices: int = 1  # sequences the upstream generates: prompts x max(n, best_of)
+    route: list[str] = field(default_factory=list)
+    route_reason: dict | None = None  # why the first hop (policies/routing.py RouteReason.as_dict): for the event
+    served_model: str | None = None  # the pool of the last hop tried: its usage row
+    # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
+    # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
+    upstream_id: str = ""
+    upstream_error: str | None = None  # why the last hop that failed did, its address included: the event's only
+    queue_s: float | None = None
+    dispatched_at: float | None = None
+    upstream_end: float | None = None
+    ttft_s: float | None = None
+    usage_source: str | None = None  # how the billed usage was obtained (gateway/request/settle.py): for the event
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class RequestContext(RequestRecord):
+    """An admitted request: what it asked for, what it was granted, where it went, and what its event will say.
+    Data only: the live things its end must close (an upstream stream) are its RequestEnd's
+    (gateway/request/request_end.py)."""
+
+    # Known for every admitted request (a RequestRecord's may be None)
+    team_id: str
+    key_id: str
+    model: str
+    limits: TeamLimits
+    body: dict
+    deadline_base: float  # loop.time() at arrival: deadlines are loop-time instants (uvloop's clock ticks in ms)
+    client_usage: bool = False
+    client_continuous: bool = False
     prompts: int = 1  # a /v1/completions batch's prompts, each completed on its own
     prompt_tokens: int = 0  # all prompts together
     longest_prompt: int = 0  # the batch's longest prompt: what the context window must hold
@@ -87,44 +118,21 @@ class RequestContext:
     slot: bool = False
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away
     ticket: Ticket | None = None
-    queue_s: float | None = None
     hop: Hop | None = None
-    served_model: str | None = None  # the pool of the last hop tried: its usage row
-    # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
-    # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
-    upstream_id: str = ""
-    route: list[str] = field(default_factory=list)
-    upstream_error: str | None = None  # why the last hop that failed did, its address included: the event's only
-    route_reason: dict | None = None  # why the first hop (policies/routing.py RouteReason.as_dict): for the event
-    dispatched_at: float | None = None
-    upstream_end: float | None = None
-    ttft_s: float | None = None
     usage: dict | None = None
-    usage_source: str | None = None  # how the billed usage was obtained (gateway/request/settle.py): for the event
-    finish_reason: str | None = None
     incomplete: bool = False  # the upstream may still be generating: abort it in finish
     instance_ok: bool = True
-    sse: SSEStream | None = None
-    chunks: ChunkFilter | None = None
-    status: str = "ok"
-    reason: str | None = None
-    http_status: int = 200
-    disconnected: bool = False
     # tokens made by hops that failed before their first token (the engine told us on /abort): billed too
     spilled_prompt_tokens: int = 0
     spilled_completion_tokens: int = 0
-    watching: bool = True  # a client disconnect may still cancel the handler
     # The API key's own limits (None: only the team's), enforced with the team's in the same reserve / slot
     key_limits: KeyLimits | None = None
     slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
-    slot_lease: str | None = (
-        None  # that slot's lease id in a shared state: released by id (gateway/request/inflight.py)
-    )
-    user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
+    slot_lease: str | None = None  # that slot's lease id in a shared state: released by id (request/inflight.py)
     cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
 
     @classmethod
-    def admitted(cls, request_id: str, principal: Principal, body: dict, kind: str) -> RequestContext:
+    def admitted(cls, request_id: str, principal: Principal, body: dict, kind: InferenceKind) -> RequestContext:
         """The context of a request admission takes: what the body asks for, within what its team's key grants."""
         team = principal.team
         assert team is not None  # Admission.new_context refuses a key without a team
@@ -150,10 +158,6 @@ class RequestContext:
             key_limits=principal.key.limits,
             user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
         )
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 
 
 def clip(value: str | None) -> str | None:

@@ -2,7 +2,8 @@
 fallback pool's) until one answers; a hop that fails before the first byte passes to the next and counts against its
 instance's circuit. Non-stream calls and streams (first token under the TTFT deadline, then relayed chunk by
 chunk under the total deadline) go through gateway/request/relay.py; what they made is settled by
-gateway/request/settle.py.
+gateway/request/settle.py, through the request's end (gateway/request/request_end.py): dispatch hangs the open
+stream of a hop on it, and hands it to the stream response it returns.
 """
 
 from __future__ import annotations
@@ -12,20 +13,20 @@ import time
 import uuid
 
 from fastapi.responses import Response
+from starlette.types import Send
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
-
-# The upstream path of each kind of request (the same as the client's).
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
 class Dispatcher:
@@ -56,7 +57,9 @@ class Dispatcher:
             self.metrics.routing_prefix_hit_blocks.labels(ctx.model).observe(why.hit_blocks)
         return hops, hashes
 
-    async def dispatch(self, ctx: RequestContext) -> Response:
+    async def dispatch(self, ctx: RequestContext, end: RequestEnd) -> Response:
+        """The answer of the first hop that gives one. A stream's response carries the request's `end` (its body
+        settles the request); any other answer, or an exception, leaves the end to the handler."""
         hops, hashes = self.route(ctx)
         last = "every instance's circuit is open"
         for hop in hops:
@@ -70,7 +73,7 @@ class Dispatcher:
             self.metrics.in_flight.labels(ctx.model).inc()
             try:
                 if ctx.stream:
-                    return await self.open_stream(ctx, hop)
+                    return await self.open_stream(ctx, hop, end)
                 return await self.call(ctx, hop)
             except relay.UpstreamFailed as e:
                 last, ctx.incomplete = str(e), False
@@ -82,9 +85,8 @@ class Dispatcher:
                     usage = (answer or {}).get("usage") or {}
                     ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
                     ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
-                ctx.chunks = None  # its usage, if any, is in `spilled` now
                 self.settler.release_hop(ctx, ok=False)
-                await self.settler.close_stream(ctx)
+                await end.drop_stream()  # its usage, if any, is in `spilled` now
             except relay.UpstreamRejected as e:
                 ctx.incomplete = False
                 # Refused before running: nothing was made. An engine may have failed the request part-way (a
@@ -94,11 +96,9 @@ class Dispatcher:
                     usage = ((await relay.abort(self.client, hop, ctx.upstream_id)) or {}).get("usage") or {}
                     ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
                     ctx.usage_source = "engine_abort"
-                ctx.chunks = None
-                await self.settler.close_stream(ctx)
-                ctx.status, ctx.reason, ctx.http_status = "error", "upstream_rejected", e.status
+                await end.drop_stream()
+                ctx.outcome.decide("error", "upstream_rejected", e.status)
                 return Response(e.body, e.status, media_type="application/json")
-        ctx.reason = "upstream_unavailable"
         raise APIError(
             503,
             f"No upstream could serve '{ctx.model}' ({last}). Retry shortly.",
@@ -131,10 +131,10 @@ class Dispatcher:
         body = self.upstream_body(ctx, hop)
         try:
             obj, raw = await relay.call_json(
-                self.client, hop, PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
+                self.client, hop, KIND_PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
             )
         except TimeoutError:
-            ctx.status, ctx.reason = "timeout", "timeout"
+            ctx.outcome.decide("timeout", "timeout", 504)
             ctx.instance_ok = not self.instance_too_slow(ctx, "total")
             raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
         finally:
@@ -156,13 +156,13 @@ class Dispatcher:
         completion = self.settler.counter(ctx.model).count_text(text) if text else 0
         return {"prompt_tokens": ctx.prompt_tokens, "completion_tokens": completion}
 
-    async def open_stream(self, ctx: RequestContext, hop: Hop) -> Response:
+    async def open_stream(self, ctx: RequestContext, hop: Hop, end: RequestEnd) -> Response:
         loop = asyncio.get_running_loop()
         ttft, total = self.timeouts(ctx)
         first_deadline = min(loop.time() + ttft, ctx.deadline_base + total)
         ctx.incomplete = hop.instance.cfg.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
-        chunks = ctx.chunks = ChunkFilter(
+        chunks = ChunkFilter(
             ctx.client_usage,
             ctx.client_continuous,
             not hop.instance.cfg.engine,
@@ -172,11 +172,12 @@ class Dispatcher:
         )
         first: list[bytes] = []
         try:
-            ctx.sse = await relay.open_stream(
-                self.client, hop, PATHS[ctx.kind], self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
+            sse = await relay.open_stream(
+                self.client, hop, KIND_PATHS[ctx.kind], self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
             )
+            stream = end.stream = relay.HopStream(sse, chunks)  # from now on whoever ends the request closes it
             while chunks.first_token_at is None and not chunks.done:
-                data = await ctx.sse.next(first_deadline)
+                data = await sse.next(first_deadline)
                 if data is None:
                     raise relay.failed(hop, "the stream ended before its first event")
                 out = chunks.process(data)
@@ -186,7 +187,7 @@ class Dispatcher:
                 if out is not None:
                     first.append(out)
         except TimeoutError:
-            ctx.status, ctx.reason = "timeout", "timeout"
+            ctx.outcome.decide("timeout", "timeout", 504)
             first_token = loop.time() < ctx.deadline_base + total
             which, limit = ("first token", ttft) if first_token else ("response", total)
             ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
@@ -197,23 +198,17 @@ class Dispatcher:
         ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
         deadline = ctx.deadline_base + total
 
-        async def pump(send) -> bool:
-            return await self.pump(ctx, first, deadline, send)
+        async def pump(send: Send) -> bool:
+            return await self.pump(ctx, stream, first, deadline, send)
 
-        async def done(disconnected: bool, shutdown: bool) -> None:
-            ctx.disconnected = ctx.disconnected or disconnected
-            if disconnected and ctx.status == "ok":
-                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "client_disconnected", 499, True
-            elif shutdown and ctx.status == "ok":
-                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "cancelled", "shutdown", 503, True
-            await self.settler.finish(ctx)
+        return relay.StreamResponse(pump, end.hand_to_body(), _rate_headers(ctx))
 
-        return relay.StreamResponse(pump, done, _rate_headers(ctx))
-
-    async def pump(self, ctx: RequestContext, first: list[bytes], deadline: float, send) -> bool:
+    async def pump(
+        self, ctx: RequestContext, stream: relay.HopStream, first: list[bytes], deadline: float, send: Send
+    ) -> bool:
         """Relay the rest of the stream. False if the client went away (a send failed)."""
-        chunks, sse = ctx.chunks, ctx.sse
-        assert chunks is not None and sse is not None and ctx.hop is not None  # open_stream set them for this hop
+        chunks, sse = stream.chunks, stream.sse
+        assert sse is not None and ctx.hop is not None  # open_stream opened it for this hop
         tail = b""
         try:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
@@ -231,17 +226,18 @@ class Dispatcher:
                             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
                             pending.clear()
             except TimeoutError:
-                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "timeout", "timeout", 504, True
+                ctx.outcome.decide("timeout", "timeout", 504)
+                ctx.incomplete = True
                 tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
             except HTTPError as e:  # the upstream connection broke mid-body
                 ctx.hop.error = f"{ctx.hop.where}: {e}"
-            if chunks.cut_off and ctx.status == "ok":
-                pending.append(await self.cut_at_reservation(ctx))
+            if chunks.cut_off and not ctx.outcome.decided:
+                pending.append(await self.cut_at_reservation(ctx, stream))
             if chunks.done:
                 ctx.incomplete = False
-            elif ctx.status != "timeout":
-                ctx.status, ctx.reason, ctx.http_status, ctx.incomplete = "error", "upstream_broken", 502, True
-                ctx.instance_ok = False
+            elif ctx.outcome.status != "timeout":
+                ctx.outcome.decide("error", "upstream_broken", 502)
+                ctx.incomplete, ctx.instance_ok = True, False
                 tail = relay.sse_error(
                     f"The upstream stream broke off ({ctx.hop.label}); the response is incomplete.",
                     "upstream_broken",
@@ -253,16 +249,16 @@ class Dispatcher:
         except OSError:
             return False
 
-    async def cut_at_reservation(self, ctx: RequestContext) -> bytes:
+    async def cut_at_reservation(self, ctx: RequestContext, stream: relay.HopStream) -> bytes:
         """The upstream went past the max_tokens it was sent (the reservation): read nothing more of it, close its
         stream and stop an engine (whose answer is the exact count made). The bill is the upstream's own usage if
         any came, else what was relayed, counted as a stream without usage is (each delta at least one token); the
         client gets the same usage, if it asked for it, then [DONE]. Returns those last events."""
-        chunks, hop = ctx.chunks, ctx.hop
-        ctx.reason, ctx.finish_reason = "output_cut", "length"
-        sse, ctx.sse = ctx.sse, None
-        assert chunks is not None and hop is not None and sse is not None  # a stream of this hop is being relayed
-        await sse.aclose()
+        chunks, hop = stream.chunks, ctx.hop
+        ctx.outcome.note_ok("output_cut")
+        ctx.finish_reason = "length"
+        assert hop is not None  # a stream of this hop is being relayed
+        await stream.close(drain=False)
         if hop.instance.cfg.engine:  # still `incomplete`: a client gone during the abort gets one from finish
             answer = await relay.abort(self.client, hop, ctx.upstream_id)
             ctx.incomplete = False

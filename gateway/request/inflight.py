@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tokenweir.common.logging import get_logger
-from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.context import RequestContext, RequestRecord
+from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.state.memory import StateUnavailable
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
 
@@ -206,23 +207,17 @@ async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstre
     else:
         prompt, completion, source = await _made(u, client, upstreams)
     ts = time.time()
-    ctx = RequestContext(
+    ctx = RequestRecord(  # its event and bill: it is no longer running, so nothing else of its context is needed
         request_id=res["rid"],
         kind=res["kind"],
-        body={},
+        t0=time.perf_counter(),
         team_id=res["team"],
         key_id=res["key"],
-        limits=None,  # type: ignore[arg-type]  # a recovered request's event and bill need no limits
         model=res["model"],
         stream=res["stream"],
-        t0=time.perf_counter(),
-        deadline_base=0.0,
         priority=res["priority"],
         max_tokens=res["max"],
-        prompt_tokens=res["prompt"],
-        status="error",
-        reason=REASON,
-        http_status=502,
+        outcome=Outcome("error", REASON, 502),
         user=res["user"],
         route=[h["label"] for h in u.hops],
         served_model=last["served"] if last else None,

@@ -4,18 +4,23 @@ One shared keep-alive pool (`gateway.upstream.http1`, a lean HTTP/1.1 client: ht
 the gateway on this path). Failures before the first byte raise `UpstreamFailed` (the caller
 tries the next hop) or `UpstreamRejected` (a 4xx: the client's fault, passed through). Deadlines are
 `loop.time()` instants applied with `asyncio.timeout_at`, so one deadline covers connect, headers and body.
+An open stream is a `HopStream` (its body and what its chunks said), which the request's end closes; the client
+gets it through `StreamResponse`, which hands the request's end back when its body is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import orjson
 from starlette.responses import Response
+from starlette.types import Send
 
 from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.logging import get_logger
+from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError, request_json
 from tokenweir.gateway.upstream.http1 import Response as UpstreamResponse
 from tokenweir.gateway.upstream.pools import Hop
@@ -177,6 +182,26 @@ class SSEStream:
         await self.response.aclose()
 
 
+class HopStream:
+    """The open upstream stream of one hop: its SSE body (`sse`, None once closed) and what its chunks said so far
+    (`chunks`: usage, text, token clock, whether it reached [DONE]). Dispatch opens it and hands it to the request's
+    end (gateway/request/request_end.py), which closes it whoever ends the request; settle bills from its chunks."""
+
+    def __init__(self, sse: SSEStream, chunks: ChunkFilter) -> None:
+        self.sse: SSEStream | None = sse
+        self.chunks = chunks
+
+    async def close(self, drain: bool) -> None:
+        """Close the body once (later calls do nothing). `drain`: read it to its end first, so that the keep-alive
+        connection goes back to the pool (only for a stream that was read to its [DONE])."""
+        if self.sse is None:
+            return
+        sse, self.sse = self.sse, None
+        if drain:
+            await sse.drain()
+        await sse.aclose()
+
+
 async def open_stream(
     client: HTTP1Pool, hop: Hop, path: str, body: dict, request_id: str, deadline: float
 ) -> SSEStream:
@@ -217,14 +242,19 @@ class StreamResponse(Response):
     """ASGI response for a relayed SSE stream that notices the client leaving.
 
     `pump(send)` writes the events in this task; a watcher reads `receive` for http.disconnect and cancels it
-    when the client goes. `on_done(disconnected, shutdown)` always runs last (shielded): abort, settle and
-    account there.
+    when the client goes. `on_end(disconnected, shutdown)` always runs last: the request's end, handed to this
+    response by dispatch (gateway/request/request_end.py RequestEnd.hand_to_body), which settles it.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, pump, on_done, headers: dict[str, str]) -> None:
-        self.pump, self.on_done = pump, on_done
+    def __init__(
+        self,
+        pump: Callable[[Send], Awaitable[bool]],
+        on_end: Callable[[bool, bool], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        self.pump, self.on_end = pump, on_end
         self.raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
         self.raw_headers += [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         self.status_code = 200
@@ -254,29 +284,4 @@ class StreamResponse(Response):
         finally:
             watching = False
             watch.cancel()
-            await shielded(self.on_done(disconnected, shutdown))
-
-
-_background: set[asyncio.Task] = set()
-
-
-def spawn(coro) -> asyncio.Task:
-    """A task that shutdown waits for (`wait_background`)."""
-    task = asyncio.ensure_future(coro)
-    _background.add(task)  # a strong reference until it ends, so a cancelled caller cannot orphan it to the GC
-    task.add_done_callback(_background.discard)
-    return task
-
-
-async def shielded(coro):
-    """Run `coro` to completion even if the caller is cancelled meanwhile (the caller still sees the cancel)."""
-    return await asyncio.shield(spawn(coro))
-
-
-async def wait_background(timeout_s: float = 10.0) -> None:
-    """Shutdown: let requests cut by the server's grace timeout finish settling before usage and events flush
-    (uvicorn cancels handler tasks and goes straight on to the lifespan exit)."""
-    for _ in range(3):
-        await asyncio.sleep(0)  # handlers cancelled just now reach their `finally` and start settling
-    if _background:
-        await asyncio.wait(set(_background), timeout=timeout_s)
+            await self.on_end(disconnected, shutdown)  # it shields the settle itself

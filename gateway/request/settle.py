@@ -2,7 +2,9 @@
 reservation, bill what was made, and write the one JSONL event (gateway/accounting/events.py) with its metrics. `take`
 is the giving back's other half: what a state call takes for a request the client then leaves is given back too.
 
-`finish` runs exactly once per request (shielded from cancellation; for streams when the stream ends). Each step
+A request has one of two ends. `finish` ends an admitted one, exactly once, called only by its RequestEnd
+(gateway/request/request_end.py: shielded from cancellation; for a stream when its body is over).
+`finish_unadmitted` ends one refused before admission: its event only, nothing was taken. Each step of `finish`
 has its own guard, so one that raises never skips the ones after it; a settle or a slot release the shared state
 cannot take now goes to the outbox (gateway/state/outbox.py) and is replayed when it can. The event is written before
 the usage row is counted: it is the write-ahead record that start-up replays after a crash.
@@ -16,16 +18,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from fastapi import Request
-
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import relay
-from tokenweir.gateway.request.context import RequestContext, clip, request_scope
+from tokenweir.gateway.request.background import BackgroundTasks
+from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope, clip
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
+from tokenweir.gateway.request.outcome import Outcome
+from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.state.memory import StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.http1 import HTTP1Pool
@@ -51,11 +55,12 @@ class Settler:
         usage,
         outbox: StateOutbox | None,
         counter: Callable[[str], TokenCounter],
+        background: BackgroundTasks,
         journal: InflightJournal | None = None,
     ) -> None:
         self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
         self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
-        self.outbox, self.counter = outbox, counter
+        self.outbox, self.counter, self.background = outbox, counter, background
         # What each running request took and where it went, for a restart after this process dies (not opened:
         # writes nothing, as in tests that build a Settler alone)
         self.journal = journal or InflightJournal(journal_path(events.path))
@@ -65,31 +70,23 @@ class Settler:
         after this process dies can ask that instance what it made."""
         self.journal.hop(ctx, hop)
 
-    def record_unadmitted(self, request: Request, err: APIError) -> None:
-        """A request refused before the pipeline (bad key, malformed body, an admin key) still ends as one event."""
-        scope = request_scope(request)
+    def finish_unadmitted(self, scope: RequestScope, kind: InferenceKind, err: APIError) -> None:
+        """The end of a request refused before admission (bad key, malformed body, an admin key, a client gone while
+        its body was read): nothing was taken, so only its one event. Its team, key and model may be unknown."""
         principal = scope.principal
         team = principal.team if principal is not None else None
-        model = scope.model
-        ctx = RequestContext(
+        gone = err.code == "client_disconnected"
+        record = RequestRecord(
             request_id=scope.request_id,
-            kind=_kind(request.url.path),
-            body={},
-            # Refused before admission: team, key, limits and model may be unknown (None); an admitted one's never are
-            team_id=team.id if team is not None else None,  # type: ignore[arg-type]
-            key_id=principal.key.id if principal is not None else None,  # type: ignore[arg-type]
-            limits=team.limits if team is not None else None,  # type: ignore[arg-type]
-            model=model if isinstance(model, str) else None,  # type: ignore[arg-type]
-            stream=False,
+            kind=kind,
             t0=scope.t0,
-            deadline_base=0.0,
+            team_id=team.id if team is not None else None,
+            key_id=principal.key.id if principal is not None else None,
+            model=scope.model if isinstance(scope.model, str) else None,
             priority=team.limits.priority if team is not None else 0,
-            status="cancelled" if err.code == "client_disconnected" else "rejected",
-            reason=err.code,
-            http_status=err.status,
-            disconnected=err.code == "client_disconnected",
+            outcome=Outcome("cancelled" if gone else "rejected", err.code, err.status, disconnected=gone),
         )
-        self.emit(ctx, time.perf_counter(), 0, 0, 0)
+        self.emit(record, time.perf_counter(), 0, 0, 0)
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
         if ctx.hop is not None:
@@ -98,14 +95,9 @@ class Settler:
             ctx.upstream_error = ctx.hop.error or ctx.upstream_error
             ctx.hop = None
 
-    async def close_stream(self, ctx: RequestContext) -> None:
-        if ctx.sse is not None:
-            sse, ctx.sse = ctx.sse, None
-            if ctx.chunks is not None and ctx.chunks.done and not ctx.incomplete:
-                await sse.drain()  # read to the end of the body so the keep-alive connection goes back to the pool
-            await sse.aclose()
-
-    async def finish(self, ctx: RequestContext) -> None:
+    async def finish(self, ctx: RequestContext, stream: relay.HopStream | None) -> None:
+        """The end of an admitted request (its RequestEnd's one call): `stream` is its last hop's upstream stream,
+        if one is open or was relayed (what its chunks said is billed)."""
         hop = ctx.hop
         try:
             # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
@@ -113,7 +105,8 @@ class Settler:
                 answer = await relay.abort(self.client, hop, ctx.upstream_id)
                 if answer and answer.get("usage"):
                     ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
-            await self.close_stream(ctx)
+            if stream is not None:  # a stream read to its end is drained: its keep-alive connection goes back
+                await stream.close(drain=stream.chunks.done and not ctx.incomplete)
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
             log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
         # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
@@ -125,8 +118,9 @@ class Settler:
             assert state is not None  # admitted under local limits only where there are some
             release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
             await self.state_change(release, ctx)  # its own lease, the one it journaled
+        chunks = stream.chunks if stream is not None else None
         try:
-            prompt, completion, cached = self.billable(ctx)
+            prompt, completion, cached = self.billable(ctx, chunks)
         except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
             log.exception("finish_billable_failed", request_id=ctx.request_id)
             prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
@@ -146,24 +140,32 @@ class Settler:
                 op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
                 key_id = ctx.reservation.key_id
                 self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
-        self._guard(self.record, ctx, ts, prompt, completion, cached, cost)
+        self._guard(self.record, ctx, ts, prompt, completion, cached, cost, chunks)
         self._guard(self.journal.done, ctx)  # right after the event, no await between: see InflightJournal.done
 
-    def cost(self, ctx: RequestContext, prompt: int, completion: int, cached: int) -> int | None:
+    def cost(self, ctx: RequestRecord, prompt: int, completion: int, cached: int) -> int | None:
         """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
         never rounded per request, so the state's spend, the usage rows and the events all sum exactly."""
-        pool = self.upstreams.pools.get(ctx.served_model or ctx.model)
+        model = ctx.served_model or ctx.model
+        pool = self.upstreams.pools.get(model) if model is not None else None
         prices = pool.cfg.prices if pool is not None else None
         return None if prices is None else prices.cost_femtos(prompt, completion, cached)
 
     def record(
-        self, ctx: RequestContext, ts: float, prompt: int, completion: int, cached: int, cost: int | None = None
+        self,
+        ctx: RequestRecord,
+        ts: float,
+        prompt: int,
+        completion: int,
+        cached: int,
+        cost: int | None = None,
+        chunks: ChunkFilter | None = None,
     ) -> None:
         """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
         write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
         seq = None
         try:
-            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts, cost)
+            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts, cost, chunks)
         except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
             log.exception("event_write_failed", request_id=ctx.request_id)
         if ctx.route:
@@ -199,7 +201,7 @@ class Settler:
         """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
         completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
         behind until its expiry."""
-        task = relay.spawn(call)
+        task = self.background.spawn(call)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -210,7 +212,7 @@ class Settler:
                 if isinstance(exc := t.exception(), StateUnavailable):
                     self.defer(exc)
                 elif t.exception() is None and t.result():
-                    relay.spawn(self.state_change(give_back(t.result()), ctx))
+                    self.background.spawn(self.state_change(give_back(t.result()), ctx))
 
             task.add_done_callback(undo)
             raise
@@ -222,15 +224,15 @@ class Settler:
         except Exception:  # noqa: BLE001 - one failed step must not skip the others
             log.exception("finish_step_failed", step=getattr(step, "__name__", str(step)))
 
-    def billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+    def billable(self, ctx: RequestContext, chunks: ChunkFilter | None) -> tuple[int, int, int]:
         """What the request cost: the upstream's own usage when it reported one, else our count; plus what
         hops that failed before the first token had already made."""
-        prompt, completion, cached = self._billable(ctx)
+        prompt, completion, cached = self._billable(ctx, chunks)
         return prompt + ctx.spilled_prompt_tokens, completion + ctx.spilled_completion_tokens, cached
 
-    def _billable(self, ctx: RequestContext) -> tuple[int, int, int]:
+    def _billable(self, ctx: RequestContext, chunks: ChunkFilter | None) -> tuple[int, int, int]:
         """The last hop's usage, and how it was obtained (`ctx.usage_source`, the event's `usage_source`)."""
-        usage = ctx.usage or (ctx.chunks.usage if ctx.chunks is not None else None)
+        usage = ctx.usage or (chunks.usage if chunks is not None else None)
         if usage:
             ctx.usage_source = ctx.usage_source or "upstream"
             details = usage.get("prompt_tokens_details") or {}
@@ -240,9 +242,9 @@ class Settler:
             ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
             return 0, 0, 0
         completion = 0
-        if ctx.chunks is not None and ctx.chunks.text:
-            completion = self.counter(ctx.model).count_text("".join(ctx.chunks.text))
-        if ctx.chunks is not None and ctx.chunks.done:
+        if chunks is not None and chunks.text:
+            completion = self.counter(ctx.model).count_text("".join(chunks.text))
+        if chunks is not None and chunks.done:
             # The whole answer was relayed, only its usage was not sent: its text is what was made.
             ctx.usage_source = "estimate_text"
             return ctx.prompt_tokens, completion, 0
@@ -254,17 +256,17 @@ class Settler:
 
     def emit(
         self,
-        ctx: RequestContext,
+        ctx: RequestRecord,
         now: float,
         prompt: int,
         completion: int,
         cached: int,
         ts: float | None = None,
         cost: int | None = None,
+        chunks: ChunkFilter | None = None,
     ) -> int:
         e2e = now - ctx.t0
         tpot = None
-        chunks = ctx.chunks
         per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
         if chunks is not None and chunks.first_token_at is not None and per_choice > 1:
             assert chunks.last_token_at is not None  # set with first_token_at
@@ -296,9 +298,9 @@ class Settler:
                 "upstream_request_id": ctx.upstream_id or None,
                 "instance": ctx.route[-1] if ctx.route else None,
                 "priority": ctx.priority,
-                "status": ctx.status,
-                "reason": ctx.reason,
-                "http_status": ctx.http_status,
+                "status": ctx.outcome.status,
+                "reason": ctx.outcome.reason,
+                "http_status": ctx.outcome.http_status,
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
                 "cached_tokens": cached,
@@ -312,7 +314,7 @@ class Settler:
                 "finish_reason": ctx.finish_reason,
                 "stream": ctx.stream,
                 "kind": ctx.kind,
-                "client_disconnected": ctx.disconnected,
+                "client_disconnected": ctx.outcome.disconnected,
                 "user": ctx.user,
                 "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
             }
@@ -320,9 +322,10 @@ class Settler:
         m = self.metrics
         # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
         model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
-        m.requests.labels(ctx.team_id or "none", model, ctx.status).inc()
-        if ctx.status == "rejected":
-            m.rejections.labels(ctx.reason or "unknown").inc()
+        outcome = ctx.outcome
+        m.requests.labels(ctx.team_id or "none", model, outcome.status).inc()
+        if outcome.status == "rejected":
+            m.rejections.labels(outcome.reason or "unknown").inc()
         if prompt or completion:
             m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
             m.completion_tokens.labels(ctx.team_id, model).inc(completion)
@@ -335,23 +338,17 @@ class Settler:
             m.tpot.labels(model).observe(tpot)
         upstream = (ctx.upstream_end or now) - ctx.dispatched_at if ctx.dispatched_at is not None else 0.0
         m.overhead.observe(max(0.0, e2e - (ctx.queue_s or 0.0) - upstream))
-        if ctx.status != "ok":
+        if outcome.status != "ok":
             log.info(
                 "request_not_ok",
                 request_id=ctx.request_id,
                 team=ctx.team_id,
                 model=clip(ctx.model),
-                status=ctx.status,
-                reason=ctx.reason,
-                http_status=ctx.http_status,
+                status=outcome.status,
+                reason=outcome.reason,
+                http_status=outcome.http_status,
             )
         return seq
-
-
-def _kind(path: str) -> str:
-    if path.endswith("/chat/completions"):
-        return "chat"
-    return "embeddings" if path.endswith("/embeddings") else "completions"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -1,7 +1,8 @@
 """The gateway app: `create_app(config)` wires store, auth, state, queues, upstreams, events and metrics.
 
-The lifespan opens what needs opening and, on shutdown (uvicorn runs it on SIGTERM too), drains: usage and
-events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
+The lifespan opens what needs opening, builds the app's `Services` whole (gateway/server/services.py) and, on
+shutdown (uvicorn runs it on SIGTERM too), drains: the requests cut at shutdown settle (their background tasks), then
+usage and events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
 store, and seeds the shared state's budgets from the store, retrying (and answering 503 state_unavailable
 meanwhile) while the state backend is unreachable.
 """
@@ -31,8 +32,10 @@ from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.openai.endpoints import PATH_KINDS
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.admission import Admission
+from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import open_scope, request_scope
 from tokenweir.gateway.request.inflight import recover
 from tokenweir.gateway.request.queue import DispatchQueue
@@ -63,7 +66,10 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
     )
 
-    services = Services(config=config, upstreams=upstreams, metrics=metrics, state=state, queues=queues, events=events)
+    # Until the lifespan has built the whole record: what exists before start-up (process/engines.py attaches to it)
+    before_start = Services.partial(
+        config=config, upstreams=upstreams, metrics=metrics, state=state, queues=queues, events=events
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,9 +79,23 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
         client = relay.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
-        admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox)
-        services.store, services.authenticator = st, Authenticator(st, config.auth_cache_ttl_s)
-        services.usage, services.http, services.outbox, services.admission = usage, client, outbox, admission
+        background = BackgroundTasks()
+        admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox, background)
+        app.state.services = Services(
+            config=config,
+            upstreams=upstreams,
+            metrics=metrics,
+            state=state,
+            queues=queues,
+            events=events,
+            store=st,
+            authenticator=Authenticator(st, config.auth_cache_ttl_s),
+            usage=usage,
+            http=client,
+            outbox=outbox,
+            admission=admission,
+            background=background,
+        )
         billed = await replay_usage(st, usage, events, config)
         await events.start()
         # Requests a killed run of this process left in flight: billed and given back before anything is served
@@ -102,7 +122,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         try:
             yield
         finally:
-            await relay.wait_background()  # requests cut at shutdown still abort, settle and write their event
+            await background.wait()  # requests cut at shutdown still abort, settle and write their event
             if seeding is not None:
                 seeding.cancel()
                 await asyncio.gather(seeding, return_exceptions=True)
@@ -119,7 +139,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             log.info("gateway_stopped")
 
     app = FastAPI(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
-    app.state.services = services  # read through gateway.server.services.get_services only
+    app.state.services = before_start  # read through gateway.server.services.get_services only
     app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)
@@ -217,22 +237,23 @@ async def seed_budgets(store: Store, state) -> None:
     await seed_key_budgets(store, state)  # the keys' own budgets, and every spend (USD) budget
 
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLIENT_GONE = APIError(499, "The client closed the connection before the request was read.", "client_disconnected")
 SHUTTING_DOWN = APIError(503, "The gateway is shutting down; retry.", "shutting_down", headers={"retry-after": "1"})
 
 
 async def _api_error_handler(request: Request, err: APIError):
-    record_unadmitted(request, err)
+    finish_unadmitted(request, err)
     return await api_error_handler(request, err)
 
 
-def record_unadmitted(request: Request, err: APIError) -> None:
-    """Every inference request ends as one JSONL event: those refused before admission got none from finish()."""
-    if request.url.path in INFERENCE_PATHS and not request_scope(request).accounted:
-        admission = get_services(request).admission
-        if admission is not None:
-            admission.settler.record_unadmitted(request, err)
+def finish_unadmitted(request: Request, err: APIError) -> None:
+    """Every inference request ends as one JSONL event. An admitted one's end is its RequestEnd's
+    (gateway/request/request_end.py); this is the other end, of one refused before admission (reached from the
+    error handler and the middleware: nothing was taken, only its event is written)."""
+    kind = PATH_KINDS.get(request.url.path)
+    scope = request_scope(request)
+    if kind is not None and not scope.accounted:
+        get_services(request).admission.settler.finish_unadmitted(scope, kind, err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):
@@ -280,7 +301,7 @@ class RequestMiddleware:
 
         async def error(err: APIError) -> None:
             if "app" in scope:  # set by Starlette once the request reached the app
-                record_unadmitted(Request(scope), err)
+                finish_unadmitted(Request(scope), err)
             body = orjson.dumps(err.body())
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
@@ -313,7 +334,7 @@ class RequestMiddleware:
                 await error(too_large)
         except ClientDisconnect:  # gone while we read its body: nothing to answer, one event to write
             if "app" in scope:
-                record_unadmitted(Request(scope), CLIENT_GONE)
+                finish_unadmitted(Request(scope), CLIENT_GONE)
         except asyncio.CancelledError:
             # The server is shutting down past its grace: a proper OpenAI error, never uvicorn's plain-text 500.
             if not started:

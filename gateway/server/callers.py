@@ -26,7 +26,6 @@ def bearer_secret(request: Request) -> str | None:
 async def require_key(request: Request, services: ServicesDep) -> Principal:
     """FastAPI dependency: any valid key. Also noted in the request's scope, for the event of a request refused
     after auth but before admission."""
-    assert services.authenticator is not None  # the lifespan opened it before any request
     principal = await services.authenticator.authenticate(bearer_secret(request))
     request_scope(request).principal = principal
     return principal

@@ -39,22 +39,19 @@ async def livez() -> JSONResponse:
 async def health(request: Request, services: ServicesDep) -> JSONResponse:
     detail = await _shows_admin_key(request, services)
     checks: dict[str, str] = {}
-    admission = services.admission  # None until the lifespan has started
-    assert services.state is not None and services.upstreams is not None  # create_app built them
+    admission = services.admission
     try:
         async with asyncio.timeout(_CHECK_TIMEOUT_S):
             await services.state.ping()
-        checks["state"] = "ok" if admission is None or admission.state_ready else "starting"
+        checks["state"] = "ok" if admission.state_ready else "starting"
     except (StateUnavailable, TimeoutError):
         checks["state"] = "down"
-    store = services.store
-    if store is not None:
-        try:
-            async with asyncio.timeout(_CHECK_TIMEOUT_S):
-                await asyncio.to_thread(store.schema_versions)
-            checks["store"] = "ok"
-        except (*DB_ERRORS, TimeoutError):
-            checks["store"] = "down"
+    try:
+        async with asyncio.timeout(_CHECK_TIMEOUT_S):
+            await asyncio.to_thread(services.store.schema_versions)
+        checks["store"] = "ok"
+    except (*DB_ERRORS, TimeoutError):
+        checks["store"] = "down"
     pools = {}
     for name, pool in services.upstreams.pools.items():
         pools[name] = [
@@ -68,7 +65,7 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
             for i in pool.instances
         ]
         checks[f"pool:{name}"] = "ok" if any(i["circuit"] == "closed" for i in pools[name]) else "down"
-    fail_open = admission is not None and admission.local is not None  # admits without the shared state
+    fail_open = admission.local is not None  # admits without the shared state
     not_ready = checks.get("store") == "down" or (checks["state"] != "ok" and not fail_open)
     not_ready = not_ready or (bool(pools) and all(checks[f"pool:{p}"] == "down" for p in pools))
     degraded = any(v != "ok" for v in checks.values())
@@ -80,8 +77,6 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
 async def _shows_admin_key(request: Request, services: ServicesDep) -> bool:
     """Whether the caller sent an admin key: instance names, addresses and loads are the operator's to see, not
     every tenant's. No key, or a tenant's: the summary; a key that is not valid at all: a 401, as anywhere."""
-    if services.authenticator is None:  # before the lifespan opened the store
-        return False
     secret = bearer_secret(request)
     if not secret:
         return False
@@ -91,7 +86,6 @@ async def _shows_admin_key(request: Request, services: ServicesDep) -> bool:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, services: ServicesDep) -> Response:
     m = services.metrics
-    assert m is not None and services.config is not None and services.state is not None  # create_app built them
     token = services.config.metrics_token
     if token:
         header = request.headers.get("authorization", "")
@@ -99,8 +93,7 @@ async def metrics(request: Request, services: ServicesDep) -> Response:
             return error_response(
                 APIError(401, "Metrics need 'Authorization: Bearer <metrics_token>'.", "invalid_metrics_token")
             )
-    admission = services.admission  # None until the lifespan has started
-    teams = sorted(admission.seen_teams)[:MAX_TEAM_SERIES] if admission is not None else []
+    teams = sorted(services.admission.seen_teams)[:MAX_TEAM_SERIES]
     for team_id in teams:
         try:
             m.refresh_team(team_id, await services.state.read_snapshot(team_id))

@@ -18,6 +18,7 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.models import ErrorBody
 from tokenweir.gateway.auth.authenticator import Principal
 from tokenweir.gateway.openai.body import check_body, orjson_body
+from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.schema import CHAT, COMPLETION, EMBEDDING
 from tokenweir.gateway.request.context import request_scope
 from tokenweir.gateway.server.callers import require_key
@@ -150,26 +151,27 @@ async def parse_body(request: Request, schema: TypeAdapter) -> dict:
     return check_body(data, raw, schema)
 
 
-@router.post("/v1/chat/completions", summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))
+@router.post(KIND_PATHS["chat"], summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))
 async def chat_completions(
     request: Request, services: ServicesDep, principal: Principal = Depends(require_key)
 ) -> Response:
     body = await parse_body(request, CHAT)
-    assert services.admission is not None  # the lifespan opened it before any request
     return await services.admission.handle(request, principal, body, "chat")
 
 
-@router.post("/v1/completions", summary="Create a text completion", **_inference_doc(COMPLETION, TextCompletion))
+@router.post(
+    KIND_PATHS["completions"], summary="Create a text completion", **_inference_doc(COMPLETION, TextCompletion)
+)
 async def completions(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
     body = await parse_body(request, COMPLETION)
-    assert services.admission is not None  # the lifespan opened it before any request
     return await services.admission.handle(request, principal, body, "completions")
 
 
-@router.post("/v1/embeddings", summary="Create embeddings", **_inference_doc(EMBEDDING, EmbeddingList, stream=False))
+@router.post(
+    KIND_PATHS["embeddings"], summary="Create embeddings", **_inference_doc(EMBEDDING, EmbeddingList, stream=False)
+)
 async def embeddings(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
     body = await parse_body(request, EMBEDDING)
-    assert services.admission is not None  # the lifespan opened it before any request
     return await services.admission.handle(request, principal, body, "embeddings")
 
 
@@ -179,7 +181,6 @@ async def embeddings(request: Request, services: ServicesDep, principal: Princip
     responses={200: {"model": ModelList, "description": "The models."}, 401: _ERRORS[401], 403: _ERRORS[403]},
 )
 async def list_models(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
-    assert services.upstreams is not None  # create_app built it
     models = [_card(name, pool) for name, pool in services.upstreams.pools.items() if principal.may_use(name)]
     return JSONResponse({"object": "list", "data": models})
 
@@ -192,7 +193,6 @@ async def list_models(services: ServicesDep, principal: Principal = Depends(requ
 async def retrieve_model(
     model_id: str, services: ServicesDep, principal: Principal = Depends(require_key)
 ) -> JSONResponse:
-    assert services.upstreams is not None  # create_app built it
     pool = services.upstreams.pools.get(model_id)
     if pool is None or not principal.may_use(model_id):  # not allowed reads as not there
         raise APIError(

@@ -1,11 +1,12 @@
-"""The app-wide services in one record: what `create_app` builds and its lifespan opens, reached by routes, the
-admin API and the probes through one FastAPI dependency (`ServicesDep`), never as loose `app.state` attributes.
+"""The app-wide services in one record: built whole by the app's lifespan once everything is open, reached by
+routes, the admin API and the probes through one FastAPI dependency (`ServicesDep`), never as loose `app.state`
+attributes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends
 from starlette.requests import HTTPConnection
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from tokenweir.gateway.auth.authenticator import Authenticator
     from tokenweir.gateway.config import GatewayConfig
     from tokenweir.gateway.request.admission import Admission
+    from tokenweir.gateway.request.background import BackgroundTasks
     from tokenweir.gateway.request.queue import DispatchQueue
     from tokenweir.gateway.state.memory import StateBackend
     from tokenweir.gateway.state.outbox import StateOutbox
@@ -27,21 +29,32 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True, eq=False)
 class Services:
-    """Built by `create_app` (config to events), the rest opened by its lifespan (store to admission): a field is
-    None until then. An app that mounts one router alone (the admin API in a test) fills in only what it uses."""
+    """Everything a request may reach, built whole by the lifespan (gateway/server/app.py) before the first request."""
 
-    config: GatewayConfig | None = None
-    upstreams: Upstreams | None = None
-    metrics: Metrics | None = None
-    state: StateBackend | None = None  # the limits state: InMemoryState or RedisState
-    queues: dict[str, DispatchQueue] = field(default_factory=dict)  # one per pool
-    events: EventWriter | None = None
-    store: Store | None = None
-    authenticator: Authenticator | None = None
-    usage: UsageRecorder | None = None
-    http: HTTP1Pool | None = None  # the upstream client
-    outbox: StateOutbox | None = None
-    admission: Admission | None = None
+    config: GatewayConfig
+    upstreams: Upstreams
+    metrics: Metrics
+    state: StateBackend  # the limits state: InMemoryState or RedisState
+    queues: dict[str, DispatchQueue]  # one per pool
+    events: EventWriter
+    store: Store
+    authenticator: Authenticator
+    usage: UsageRecorder
+    http: HTTP1Pool  # the upstream client
+    outbox: StateOutbox
+    admission: Admission
+    background: BackgroundTasks  # what cancelled requests still run (their settle): shutdown waits for it
+
+    @classmethod
+    def partial(cls, **given: Any) -> Services:
+        """A record with only `given` set and every other field None, though typed otherwise: what an app has before
+        its lifespan built the whole one (create_app's part, which process/engines.py attaches to), or a test app
+        that mounts one router alone and gives it what that router reads. Never what serves requests."""
+        services = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(services, f.name, given.pop(f.name, None))
+        assert not given, f"no such services: {sorted(given)}"
+        return services
 
 
 def get_services(conn: HTTPConnection) -> Services:

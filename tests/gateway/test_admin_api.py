@@ -24,7 +24,7 @@ def make_app(store: Store) -> FastAPI:
     app = FastAPI()
     app.add_exception_handler(APIError, api_error_handler)
     app.include_router(router)
-    app.state.services = Services(store=store, authenticator=Authenticator(store), state=InMemoryState())
+    app.state.services = Services.partial(store=store, authenticator=Authenticator(store), state=InMemoryState())
 
     @app.get("/whoami")
     async def whoami(principal: Principal = Depends(require_key)):

@@ -176,7 +176,7 @@ async def test_fastapi_dependencies(store):
     admin_secret, _ = store.create_key(None, "root", is_admin=True)
     app = FastAPI()
     app.add_exception_handler(APIError, api_error_handler)
-    app.state.services = Services(authenticator=Authenticator(store))
+    app.state.services = Services.partial(authenticator=Authenticator(store))
 
     @app.get("/me")
     async def me(principal: Principal = Depends(require_key)):

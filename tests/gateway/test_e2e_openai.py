@@ -256,7 +256,11 @@ async def test_requests_refused_before_admission_still_end_as_one_event(stack):
     rid = exc.value.response.headers["x-request-id"]
     (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
     assert (event["status"], event["http_status"], event["team"]) == ("rejected", 401, None)
-    assert event["reason"] == exc.value.code
+    assert event["reason"] == exc.value.code and event["kind"] == "chat"  # its path says its kind
+    with pytest.raises(openai.AuthenticationError) as exc:
+        await stranger.embeddings.create(model=MODEL, input="hi")
+    (event,) = wait_events(stack, lambda e: e["request_id"] == exc.value.response.headers["x-request-id"])
+    assert (event["status"], event["http_status"], event["kind"]) == ("rejected", 401, "embeddings")
 
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
@@ -271,7 +275,7 @@ async def test_requests_refused_before_admission_still_end_as_one_event(stack):
         await admin.completions.create(model="made-up-" + "x" * 40, prompt="hi", max_tokens=1)
     rid = exc.value.response.headers["x-request-id"]
     (event,) = wait_events(stack, lambda e: e["request_id"] == rid)
-    assert (event["reason"], event["http_status"]) == ("no_team", 403)
+    assert (event["reason"], event["http_status"], event["kind"]) == ("no_team", 403, "completions")
 
     # client-chosen model names never become metric labels
     metrics = (await stranger._client.get(stack["url"] + "/metrics")).text

@@ -11,6 +11,7 @@ import uuid
 from tests.conftest import require_service
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.inflight import InflightJournal, read_unfinished
+from tokenweir.policies.limits import TeamLimits
 from tokenweir.policies.reservation import Reservation
 
 HOP = types.SimpleNamespace(
@@ -27,7 +28,7 @@ def request(i: int) -> RequestContext:
         body={},
         team_id="t",
         key_id="k",
-        limits=None,
+        limits=TeamLimits(),
         model="m",
         stream=True,
         t0=0.0,

@@ -380,7 +380,7 @@ def test_limits_stored_past_the_bounds_still_read_back(stack, tmp_path):
         team = store.create_team("old", TeamLimits(rpm=10**12, max_concurrency=2**31 - 1, queue_timeout_s=1e7))
         app = FastAPI()
         app.include_router(admin_router)
-        app.state.services = Services(store=store, authenticator=Authenticator(store))
+        app.state.services = Services.partial(store=store, authenticator=Authenticator(store))
         secret, _ = store.create_key(None, "admin", is_admin=True)
         with TestClient(app, headers={"authorization": f"Bearer {secret}"}) as client:
             assert client.get(f"/admin/teams/{team.id}/limits").json()["rpm"] == 10**12
