@@ -40,7 +40,7 @@ from tokenweir.gateway.admin.models import (
 )
 from tokenweir.gateway.server.callers import require_admin
 from tokenweir.gateway.server.services import Services, ServicesDep
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.policies.budget import DAY, MONTH, period_start_day
 from tokenweir.policies.pricing import femtos_to_usd
 from tokenweir.policies.snapshot import with_limits

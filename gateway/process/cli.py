@@ -165,8 +165,9 @@ async def serve_with_replicas(config: GatewayConfig, replicas) -> None:
             return await serve_workers(config)
         store, sock = open_gateway(config)
         try:
-            app = create_app(config, store=store)
-            replicas.attach(app)
+            app = create_app(
+                config, store=store, on_started=lambda services: replicas.attach(services.metrics, services.upstreams)
+            )
             await gateway_server(config, app).serve(sockets=[sock] if sock is not None else None)
         finally:
             store.close()

@@ -19,10 +19,15 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tokenweir.common.engine_flags import API_KEY_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, parse_size
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig
+
+if TYPE_CHECKING:
+    from tokenweir.gateway.accounting.metrics import Metrics
+    from tokenweir.gateway.upstream.pools import Instance, Upstreams
 
 
 def model_path_of(ec: BundledEngineConfig) -> str:
@@ -172,8 +177,8 @@ class EngineReplicas:
             spawn_kwargs={"env": engine_env(self.key)},
         )
         logging.getLogger("tokenweir.supervisor").setLevel(logging.ERROR)  # its exit warning: ours, in JSON
-        self.instances: dict = {}  # child index -> gateway.upstream.pools.Instance, once the app exists
-        self.metrics = None
+        self.instances: dict[int, Instance | None] = {}  # child index -> its pool instance, once the app started
+        self.metrics: Metrics | None = None
 
     @staticmethod
     def url(port: int) -> str:
@@ -221,13 +226,12 @@ class EngineReplicas:
                 ]
                 self.config.pools.insert(0, _bundled_pool(self.ec, self.model_path, upstreams, models))
 
-    def attach(self, app) -> None:
+    def attach(self, metrics: Metrics, upstreams: Upstreams) -> None:
         """The hooks reach the app's upstreams and metrics from now on (a configured pool of the same name that
         does not list these engines: exits are logged and counted only). Never attached under `--workers N`: the
         app runs in the workers, whose instances find a dead engine through their /load polls and breakers."""
-        services = app.state.services
-        self.metrics = services.metrics
-        pool = services.upstreams.get(self.ec.model_name)
+        self.metrics = metrics
+        pool = upstreams.get(self.ec.model_name)
         by_url = {i.cfg.base_url: i for i in pool.instances} if pool is not None else {}
         now = time.monotonic()
         for child in self.supervisor.children:

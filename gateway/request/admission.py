@@ -37,7 +37,8 @@ from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
-from tokenweir.gateway.state.memory import InMemoryState, StateBackend, StateUnavailable
+from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
+from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.http1 import HTTP1Pool
 from tokenweir.gateway.upstream.pools import Upstreams

@@ -33,7 +33,7 @@ import orjson
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.request.context import RequestContext, RequestRecord
 from tokenweir.gateway.request.outcome import Outcome
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from tokenweir.gateway.request.context import RequestContext, RequestRecord, Req
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
-from tokenweir.gateway.state.memory import StateBackend, StateUnavailable
+from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.http1 import HTTP1Pool
 from tokenweir.gateway.upstream.pools import Upstreams

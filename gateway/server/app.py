@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -42,7 +43,8 @@ from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
 from tokenweir.gateway.server.services import Services, get_services
-from tokenweir.gateway.state.memory import InMemoryState, StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
+from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.repair import StateWatch
@@ -54,8 +56,15 @@ from tokenweir.policies.pricing import usd_to_femtos
 log = get_logger()
 
 
-def create_app(config: GatewayConfig, *, store: Store | None = None, state_backend=None) -> FastAPI:
-    """An app for `config`. A `store` passed in stays open after shutdown (the caller owns it)."""
+def create_app(
+    config: GatewayConfig,
+    *,
+    store: Store | None = None,
+    state_backend=None,
+    on_started: Callable[[Services], None] | None = None,
+) -> FastAPI:
+    """An app for `config`. A `store` passed in stays open after shutdown (the caller owns it). `on_started` sees the
+    app's services once the lifespan has built them, before the first request (serve's engine replicas attach so)."""
     ensure_configured(config.log_level)
     metrics = Metrics()
     upstreams = Upstreams(config, metrics)
@@ -64,11 +73,6 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
     queues = {name: DispatchQueue(p.cfg.capacity, p.cfg.max_queued) for name, p in upstreams.pools.items()}
     events = EventWriter(
         config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
-    )
-
-    # Until the lifespan has built the whole record: what exists before start-up (process/engines.py attaches to it)
-    before_start = Services.partial(
-        config=config, upstreams=upstreams, metrics=metrics, state=state, queues=queues, events=events
     )
 
     @asynccontextmanager
@@ -81,7 +85,7 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         background = BackgroundTasks()
         admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox, background)
-        app.state.services = Services(
+        app.state.services = services = Services(
             config=config,
             upstreams=upstreams,
             metrics=metrics,
@@ -96,6 +100,8 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             admission=admission,
             background=background,
         )
+        if on_started is not None:
+            on_started(services)
         billed = await replay_usage(st, usage, events, config)
         await events.start()
         # Requests a killed run of this process left in flight: billed and given back before anything is served
@@ -139,7 +145,6 @@ def create_app(config: GatewayConfig, *, store: Store | None = None, state_backe
             log.info("gateway_stopped")
 
     app = FastAPI(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
-    app.state.services = before_start  # read through gateway.server.services.get_services only
     app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenweir.common.http.errors import APIError, error_response
 from tokenweir.gateway.server.callers import bearer_secret
 from tokenweir.gateway.server.services import ServicesDep
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.store.db import DB_ERRORS
 
 router = APIRouter()

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tokenweir.gateway.request.admission import Admission
     from tokenweir.gateway.request.background import BackgroundTasks
     from tokenweir.gateway.request.queue import DispatchQueue
-    from tokenweir.gateway.state.memory import StateBackend
+    from tokenweir.gateway.state.backend import StateBackend
     from tokenweir.gateway.state.outbox import StateOutbox
     from tokenweir.gateway.store.store import Store
     from tokenweir.gateway.upstream.http1 import HTTP1Pool
@@ -47,9 +47,8 @@ class Services:
 
     @classmethod
     def partial(cls, **given: Any) -> Services:
-        """A record with only `given` set and every other field None, though typed otherwise: what an app has before
-        its lifespan built the whole one (create_app's part, which process/engines.py attaches to), or a test app
-        that mounts one router alone and gives it what that router reads. Never what serves requests."""
+        """A record with only `given` set and every other field None, though typed otherwise: for a test app that
+        mounts one router alone and gives it what that router reads. Never what serves requests."""
         services = cls.__new__(cls)
         for f in fields(cls):
             setattr(services, f.name, given.pop(f.name, None))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 
 log = logging.getLogger("tokenweir.outbox")
 

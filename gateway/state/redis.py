@@ -25,7 +25,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_lua import (

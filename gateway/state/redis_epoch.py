@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis_lua import script_args
 from tokenweir.gateway.state.redis_seed import RESTORE, RESTORE_ARGV, SEED, SEED_ARGV
 from tokenweir.policies.pricing import split_femtos

@@ -22,7 +22,7 @@ import uuid
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.usage import UsageRecorder
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend
 from tokenweir.gateway.store.store import Store

@@ -115,9 +115,7 @@ def _replicas(tmp_path):
     upstreams = Upstreams(config, metrics)
     for child in children:
         child.proc = SimpleNamespace(pid=1000 + child.index, returncode=None)  # running
-    replicas.attach(
-        SimpleNamespace(state=SimpleNamespace(services=SimpleNamespace(metrics=metrics, upstreams=upstreams)))
-    )
+    replicas.attach(metrics, upstreams)
     return replicas, upstreams, metrics
 
 

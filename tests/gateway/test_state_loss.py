@@ -21,7 +21,7 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.conftest import require_service
 from tests.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from tokenweir.gateway.state.memory import StateUnavailable
+from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis import RedisState
 from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend
 from tokenweir.gateway.store.store import Store
