@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.http.validation import validation_error
 from tokenweir.engine.core.async_engine import EngineDeadError
-from tokenweir.engine.core.llm_engine import RequestError, RequestFailed
+from tokenweir.engine.core.errors import RequestError, RequestFailed
 
 __all__ = ["APIError", "add_error_handlers", "to_api_error"]
 

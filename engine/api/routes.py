@@ -39,7 +39,7 @@ from tokenweir.engine.api.responses import (
 )
 from tokenweir.engine.api.streaming import stream_response
 from tokenweir.engine.core.async_engine import AsyncEngine, RequestStream
-from tokenweir.engine.core.llm_engine import RequestError
+from tokenweir.engine.core.errors import RequestError
 from tokenweir.engine.core.output import RequestOutput
 
 

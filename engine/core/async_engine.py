@@ -27,7 +27,8 @@ from functools import partial
 import torch
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.core.llm_engine import LLMEngine, RequestError, RequestFailed
+from tokenweir.engine.core.errors import RequestError, RequestFailed
+from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.core.metrics import EngineMetrics
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.core.sampling_params import SamplingParams
@@ -314,7 +315,7 @@ class AsyncEngine:
                 self._add(command)
                 continue
             # its sequences are kept for their timings: metrics observe them
-            running = [seq for seq in self.engine.groups.get(command.request_id, []) if not seq.is_finished]
+            running = [seq for seq in self.engine.output_processor.choices(command.request_id) if not seq.is_finished]
             outputs = self.engine.abort_request(command.request_id)
             if not outputs:
                 out = self._finished.get(command.request_id)

@@ -1,5 +1,7 @@
-"""Turns a scheduled batch into flat tensors (tokens, positions, slot mapping, block tables), runs the model over the
-paged KV cache, and samples the sequences that reached the end of their known tokens.
+"""The model on its device and one step of it. Built from the config, the runner loads the weights at the resolved
+precision, sizes the KV pool (engine/core/kv_sizing.py: on a GPU after a warm-up forward) and allocates it; each
+step it turns a scheduled batch into flat tensors (tokens, positions, slot mapping, block tables), runs the model over
+the paged KV cache, and samples the sequences that reached the end of their known tokens.
 
 A sequence that asks for prompt logprobs (completions' `echo` with `logprobs`) also gets logits at every prompt
 position it computes, after the sampled rows; the scheduler never serves it from the prefix cache, so every prompt
@@ -7,41 +9,81 @@ position is computed once."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenweir.engine.config import EngineConfig, ModelConfig
+from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.core.kv_sizing import kv_block_bytes, num_kv_blocks
 from tokenweir.engine.core.sampler import Sampler, token_logprob
 from tokenweir.engine.core.scheduler import SchedulerOutput
 from tokenweir.engine.core.sequence import Sequence, TokenLogprob
 from tokenweir.engine.model.attention import AttentionMetadata
+from tokenweir.engine.model.linear import GGUF_MODES
 from tokenweir.engine.model.llama import LlamaForCausalLM
+from tokenweir.engine.model.loader import load_gguf_blocks, load_model_weights
+from tokenweir.engine.model.precision import resolve as resolve_precision
+
+log = logging.getLogger("tokenweir.engine")
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+@dataclass(slots=True)
+class PreparedBatch:
+    """A scheduled batch as the model's inputs: logits are computed at `logits_indices`, first one row per sequence in
+    `sampled`, then one per (sequence, position) in `prompt_rows` whose next prompt token is scored."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[Sequence]
+    prompt_rows: list[tuple[Sequence, int]]
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device != "auto":
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        config: EngineConfig,
-        num_blocks: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.model = model
+    def __init__(self, config: EngineConfig, path: str, progress: bool = False) -> None:
+        """Load the model at `path` onto the configured device and allocate the KV pool (`num_blocks` blocks)."""
+        device = resolve_device(config)
+        if config.quantization in GGUF_MODES and not path.endswith(".gguf"):
+            raise ValueError(
+                f"{path}: --quantization {config.quantization} takes a .gguf model; a HF directory has no GGUF blocks"
+            )
+        mc, state = load_model_weights(path, progress=progress)
+        widest = (mc.hidden_size, 2 * mc.intermediate_size)  # the fused gate/up projection
+        self.precision = resolve_precision(config.dtype, config.quantization, device, widest, mc.layer_formats)
+        dtype = self.precision.dtype
+        log.info("precision: %s", self.precision.reason)
+        self.model = LlamaForCausalLM(
+            mc,
+            state,
+            dtype,
+            device,
+            config.attention_backend,
+            mc.max_position_embeddings,
+            self.precision.quantization,
+            load_gguf_blocks(path) if self.precision.quantization in GGUF_MODES else None,
+            self.precision.prefill_dtype,
+        )
+        del state
+        # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).
+        self.block_bytes = kv_block_bytes(mc, config.block_size, dtype)
+        self.num_blocks = num_kv_blocks(self.model, config, self.block_bytes, device)
+        assert self.num_blocks > 0, "the KV-cache budget holds no block: raise --kv-cache-memory"
         self.block_size = config.block_size
         self.device = device
-        mc = model.config
         # One allocation for the whole pool: [2 (k, v), layers, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(
             2,
             mc.num_layers,
-            num_blocks,
+            self.num_blocks,
             config.block_size,
             mc.num_kv_heads,
             mc.head_dim,
@@ -56,14 +98,14 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence]]:
+    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
-        self._prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, position) whose next prompt token is scored
+        prompt_rows: list[tuple[Sequence, int]] = []  # (sequence, position) whose next prompt token is scored
         prompt_indices: list[int] = []
 
         def score_prompt(seq: Sequence, first_index: int, span: range) -> None:
@@ -72,7 +114,7 @@ class ModelRunner:
             for j, p in enumerate(span):
                 if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens:
                     prompt_indices.append(first_index + j)
-                    self._prompt_rows.append((seq, p))
+                    prompt_rows.append((seq, p))
 
         for seq in batch.decodes:
             pos = seq.num_computed_tokens
@@ -116,23 +158,29 @@ class ModelRunner:
                 for k, v in vars(meta).items()
             }
             meta = AttentionMetadata(**fields)
-        inputs = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        input_positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        indices = logits_indices + prompt_indices
-        self._logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
-        return inputs, input_positions, meta, sampled
+        return PreparedBatch(
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            attention=meta,
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.int64, device=self.device),
+            sampled=sampled,
+            prompt_rows=prompt_rows,
+        )
 
     def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
         """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
         {request id: its logprobs} for those of them that asked, and {request id: why} for those whose grammar could
         not go on (they get no token)."""
-        inputs, positions, meta, sampled = self.prepare(batch)
+        prepared = self.prepare(batch)
+        sampled = prepared.sampled
         # Grammar masks are computed on a worker thread while the forward runs (both release the GIL).
         guided = [seq.matcher for seq in sampled if seq.matcher is not None]
         masks = self.sampler.structured.fill_masks_async(guided) if guided else None
-        logits = self.model.forward(inputs, positions, self.kv_caches, meta, self._logits_indices)
-        if self._prompt_rows:
-            self._score_prompts(logits[len(sampled) :])
+        logits = self.model.forward(
+            prepared.input_ids, prepared.positions, self.kv_caches, prepared.attention, prepared.logits_indices
+        )
+        if prepared.prompt_rows:
+            self._score_prompts(logits[len(sampled) :], prepared.prompt_rows)
         if not sampled:
             return {}, {}, {}
         out = self.sampler(logits[: len(sampled)], sampled, masks.result() if masks is not None else None)
@@ -142,9 +190,10 @@ class ModelRunner:
         tokens = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in failed}
         return tokens, logprobs, failed
 
-    def _score_prompts(self, logits: torch.Tensor) -> None:
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int]]) -> None:
         rows = torch.log_softmax(logits.float(), dim=-1)
-        for row, (seq, p) in zip(rows, self._prompt_rows, strict=True):
+        for row, (seq, p) in zip(rows, prompt_rows, strict=True):
             k = seq.params.prompt_logprobs
             assert k is not None  # only a sequence that asked for prompt logprobs has rows here
             seq.prompt_logprobs.append(token_logprob(row, seq.token_ids[p + 1], k))

@@ -1,11 +1,10 @@
-"""What one engine step reports per choice of a request (`RequestOutput`), and the per-sequence text state
-(detokenizing, stop strings)."""
+"""What one engine step reports per choice of a request (`RequestOutput`). The text in it is made by
+engine/core/output_processor.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenweir.common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.engine.core.sequence import TokenLogprob
 
 
@@ -54,37 +53,3 @@ class RequestOutput:
     def empty(cls, request_id: str, index: int = 0) -> RequestOutput:
         """Nothing yet: the start of an `add` accumulation."""
         return cls(request_id, [], "", False, None, 0, 0, 0, index=index)
-
-
-class TextState:
-    """Incremental text of one request. Stop strings are matched on the text, and while a stop string could still be
-    completing, the matching tail is held back so a stream never shows text the final output will not contain."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str], include_stop: bool, skip_special: bool) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special) if tokenizer is not None else None
-        self.stop = stop
-        self.include_stop = include_stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def add(self, token_id: int) -> str | None:
-        """Append a token's text; returns the stop string if one now appears."""
-        if self.detokenizer is None:
-            return None
-        start = max(0, len(self.text) - self.holdback)
-        self.text += self.detokenizer.add(token_id)
-        for stop in self.stop:
-            idx = self.text.find(stop, start)
-            if idx != -1:
-                self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
-                return stop
-        return None
-
-    def take_delta(self, finished: bool) -> str:
-        if finished and self.detokenizer is not None and not self.stop:
-            self.text += self.detokenizer.flush()
-        end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
-        delta = self.text[self.sent : end]
-        self.sent = end
-        return delta

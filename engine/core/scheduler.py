@@ -9,7 +9,7 @@ the prefix cache).
 
 `update` is the post-step bookkeeping (nano-vllm's `postprocess`, vLLM's `update_from_output`): advance each
 sequence's computed tokens, append its sampled token, and finish and free it on EOS, a stop token id, max_tokens or
-the context limit. Stop strings are not checked here: they need detokenized text (see LLMEngine._output).
+the context limit. Stop strings are not checked here: they need detokenized text (see OutputProcessor.process).
 """
 
 from __future__ import annotations

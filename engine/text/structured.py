@@ -115,11 +115,6 @@ class Matcher:
         """Why the matcher cannot go on (a parser limit was hit), or None. Its masks then allow only stops."""
         return self._m.get_error() or None
 
-    def fill_mask(self, row: torch.Tensor) -> None:
-        """Write the next-token bitmask into `row`: contiguous CPU int32, ceil(vocab_size / 32) words."""
-        assert row.dtype == torch.int32 and row.device.type == "cpu" and row.is_contiguous()
-        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding, preemption with recompute)."""
         assert num_tokens >= 0

@@ -35,7 +35,7 @@ def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) 
             choices.setdefault(out.index, RequestOutput.empty(rid, out.index)).add(out)
             finished += out.finished
     assert finished == 1, "exactly one output ends the request"
-    assert rid not in engine.groups and not engine.sequences
+    assert not engine.output_processor.requests
     return choices
 
 
@@ -111,12 +111,12 @@ def test_abort_ends_every_choice_with_exact_counts(engine, prompt):
     engine.add_request("ab", prompt, SamplingParams(temperature=0, max_tokens=50, n=2))
     for _ in range(4):
         engine.step()
-    generated = sum(seq.num_output_tokens for seq in engine.groups["ab"])
+    generated = sum(seq.num_output_tokens for seq in engine.output_processor.requests["ab"].choices)
     assert generated > 0
     outs = engine.abort_request("ab")
     assert [o.index for o in outs] == [0, 1] and [o.finished for o in outs] == [False, True]
     assert all(o.finish_reason == "abort" for o in outs)
     assert outs[-1].num_output_tokens == generated
-    assert not engine.groups and not engine.sequences
+    assert not engine.output_processor.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.abort_request("ab") == []

@@ -103,7 +103,7 @@ def test_priority_orders_the_waiting_queue(tiny_model_dir, prompts):
 
 
 def test_request_that_can_never_fit_is_a_clear_error(tiny_model_dir):
-    from tokenweir.engine.core.llm_engine import RequestError
+    from tokenweir.engine.core.errors import RequestError
 
     llm = LLM(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=4)  # 64 tokens of KV in all
     with pytest.raises(RequestError, match="maximum context length is 64") as err:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tokenweir.engine.core.llm_engine import LLMEngine, RequestError, RequestFailed
-from tokenweir.engine.core.output import RequestOutput, TextState
+from tokenweir.engine.core.errors import RequestError, RequestFailed
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.output_processor import TextState
 from tokenweir.engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -88,7 +90,7 @@ def test_a_grammar_past_the_parsers_limits_fails_its_request_and_the_batch_goes_
         assert out.finished and out.finish_reason == "error"
         assert isinstance(out.error, RequestError) and out.error.code == "invalid_response_format"
         assert out.error.param == "response_format" and "could not be followed" in str(out.error)
-    assert not engine.groups and not engine.sequences and not engine.texts
+    assert not engine.output_processor.requests
     stats = engine.make_stats()
     assert stats.num_free_blocks == stats.num_total_blocks  # what is cached stays evictable
     # The same response_format is now refused at the edge: a 400 before a stream's first byte, not a failure later.
@@ -112,7 +114,7 @@ def test_an_error_in_one_requests_output_ends_that_request_only(engine, monkeypa
         tokens = engine.tokenizer.encode(prompt)
         engine.validate(tokens, params)
         engine.add_request(rid, tokens, params)
-    broken.add(id(engine.texts["bad"]))
+    broken.add(id(engine.output_processor.requests["bad"].texts[0]))
     last: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -121,4 +123,4 @@ def test_an_error_in_one_requests_output_ends_that_request_only(engine, monkeypa
     assert last["bad"].finish_reason == "error" and isinstance(last["bad"].error, RequestFailed)
     assert "injected detokenizer fault" in str(last["bad"].error)
     assert last["bad"].num_output_tokens == 1  # the token it made before failing is counted
-    assert not engine.groups and not engine.sequences
+    assert not engine.output_processor.requests

@@ -56,8 +56,9 @@ def _next_logits(engine, context: list[int]) -> torch.Tensor:
     seq = Sequence("probe", context, SamplingParams(max_tokens=1))
     assert engine.block_manager.allocate_slots(seq, len(context))
     try:
-        inputs, positions, meta, _ = engine.runner.prepare(SchedulerOutput(prefills=[(seq, len(context))]))
-        return engine.model.forward(inputs, positions, engine.runner.kv_caches, meta, engine.runner._logits_indices)[0]
+        batch = engine.runner.prepare(SchedulerOutput(prefills=[(seq, len(context))]))
+        kv = engine.runner.kv_caches
+        return engine.model.forward(batch.input_ids, batch.positions, kv, batch.attention, batch.logits_indices)[0]
     finally:
         engine.block_manager.free(seq)
 

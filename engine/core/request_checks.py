@@ -1,0 +1,50 @@
+"""The one check of a request against an engine's limits (`check_request`), made at the edge (LLMEngine.validate:
+AsyncEngine.add_request, LLM.generate) so a request that can never run is a 400 before a stream's first byte, and
+add_request only asserts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tokenweir.engine.core.errors import RequestError
+from tokenweir.engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # structured.py pulls in llguidance: only a request with a response_format needs it
+    from tokenweir.engine.text.structured import StructuredOutputs
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    structured: Callable[[], StructuredOutputs],
+) -> None:
+    """Raise RequestError for a request that can never run; fills in a missing max_tokens. `structured` gives the
+    engine's grammar compiler, asked for only when the request has a response_format. Touches no engine state, so it
+    runs on the event loop."""
+    if not prompt_token_ids:
+        raise RequestError("the prompt is empty", code="empty_prompt", param="prompt")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})", code="invalid_token_id", param="prompt")
+    if any(not 0 <= t < vocab_size for t in params.logit_bias or {}):
+        raise RequestError(
+            f"logit_bias keys must be token ids in [0, {vocab_size})", code="invalid_token_id", param="logit_bias"
+        )
+    if params.structured is not None:
+        try:
+            structured().compile(params.structured)
+        except ValueError as exc:
+            raise RequestError(str(exc), code="invalid_response_format", param="response_format") from exc
+    num_prompt, limit = len(prompt_token_ids), max_model_len
+    if params.max_tokens is None:
+        params.max_tokens = max(limit - num_prompt, 1)
+    if num_prompt + params.max_tokens > limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the messages, {params.max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            code="context_length_exceeded",
+            param="messages",
+        )
