@@ -12,14 +12,13 @@ import codecs
 import json
 import os
 from collections.abc import Iterable
-from datetime import datetime
 from functools import cache
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jinja2
-import jinja2.ext
 import tiktoken
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenweir.common.text.chat_template import compile_chat_template
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -322,7 +321,7 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError(f"model {self.name!r} has no chat template; send a plain completion prompt instead")
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         return self._template.render(
             messages=messages,
             tools=tools,
@@ -384,28 +383,3 @@ def _hf_pre_tokenizer(pre_tokenizer: dict[str, Any] | None) -> tuple[str | None,
         return "custom", splits[0]["pattern"]["Regex"]
     assert "ByteLevel" in kinds, f"unsupported pre_tokenizer {kinds}"
     return "gpt2", None
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Same environment as transformers' chat templates: sandboxed, trim/lstrip, raise_exception, tojson."""
-
-    def raise_exception(message: str) -> NoReturn:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | str | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)

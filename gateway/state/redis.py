@@ -371,7 +371,7 @@ class RedisState:
         API key's own counters."""
         now = self._clock() if now is None else now
         with self._sync.pipeline(transaction=False) as pipe:
-            reads = self._snapshot_reads(pipe, team_id, now, key_id).execute()
+            reads = self._keys.snapshot_reads(pipe, team_id, now, key_id).execute()
             return snapshot_view(team_id, now, reads)
 
     async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
@@ -379,7 +379,7 @@ class RedisState:
         now = self._clock()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                results = await self._snapshot_reads(pipe, team_id, now, key_id).execute()
+                results = await self._keys.snapshot_reads(pipe, team_id, now, key_id).execute()
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"snapshot: {type(e).__name__}: {e}") from e
         return snapshot_view(team_id, now, results)
@@ -390,14 +390,6 @@ class RedisState:
             await self._redis.ping()
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
-
-    def _snapshot_reads(self, pipe, team_id: str, now: float, key_id: str | None = None):
-        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
-        sub = self._keys.subject(key_id)
-        pipe.hgetall(self._keys.key(team_id, sub + "rpm")).hgetall(self._keys.key(team_id, sub + "tpm"))
-        pipe.hgetall(day_k).hgetall(month_k).hgetall(self._keys.key(team_id, sub + "meta"))
-        pipe.zcount(self._keys.key(team_id, sub + "slots"), f"({now!r}", "+inf")
-        return pipe.zcard(self._keys.key(team_id, sub + "holds"))
 
     async def close(self) -> None:
         if self._renewer is not None:

@@ -14,6 +14,7 @@ one script):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tokenweir.policies.budget import DAY, MONTH, day_key, month_key, period_bounds
 
@@ -40,3 +41,13 @@ class RedisKeyLayout:
         m_exp = math.ceil(period_bounds(MONTH, now)[1] - now) + 86400
         sub = self.subject(key_id)
         return self.key(team_id, f"{sub}day:{d}"), self.key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
+
+    def snapshot_reads(self, pipe: Any, team_id: str, now: float, key_id: str | None = None) -> Any:
+        """Queue on `pipe` (sync or async) the reads of a subject's snapshot, in the order
+        `redis_replies.snapshot_view` reads their replies: rpm, tpm, day, month, meta, live slots, holds."""
+        day_k, month_k, *_ = self.period_keys(team_id, now, key_id)
+        sub = self.subject(key_id)
+        pipe.hgetall(self.key(team_id, sub + "rpm")).hgetall(self.key(team_id, sub + "tpm"))
+        pipe.hgetall(day_k).hgetall(month_k).hgetall(self.key(team_id, sub + "meta"))
+        pipe.zcount(self.key(team_id, sub + "slots"), f"({now!r}", "+inf")
+        return pipe.zcard(self.key(team_id, sub + "holds"))
