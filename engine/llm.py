@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 
 class LLM:

@@ -18,15 +18,6 @@ from tokenweir.engine.flags import api_key, engine_config, parse_args
 GRACEFUL_SHUTDOWN_S = 10
 
 
-def __getattr__(name: str):
-    """`from engine.server import build_app` still works, without importing torch when the module is imported."""
-    if name == "build_app":
-        from tokenweir.engine.api import build_app
-
-        return build_app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def serving_threads() -> int:
     """Compute threads when serving: every core. The event loop's work per step (HTTP, detokenizing, SSE) is small
     next to a step; what once made a core for it pay (batch-1 decode 42 tok/s with 1 thread, 22 with 2, on 2 cores)

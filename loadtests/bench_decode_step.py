@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenweir.engine.config import EngineConfig  # noqa: E402
 from tokenweir.engine.core.llm_engine import LLMEngine  # noqa: E402
-from tokenweir.engine.core.sampling_params import SamplingParams  # noqa: E402
 from tokenweir.engine.model import linear as engine_linear  # noqa: E402
 from tokenweir.engine.model.gguf_blocks import pack_q4_1  # noqa: E402
 from tokenweir.engine.model.linear import Int8Linear, _grouped_int8  # noqa: E402
+from tokenweir.engine.sched.sampling_params import SamplingParams  # noqa: E402
 from tokenweir.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenweir.kernels.cpu.ops import int8_linear, q4_1_linear, q8_linear  # noqa: E402
 

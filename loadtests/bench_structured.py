@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenweir.engine.config import EngineConfig  # noqa: E402
 from tokenweir.engine.core.llm_engine import LLMEngine  # noqa: E402
-from tokenweir.engine.core.sampling_params import SamplingParams  # noqa: E402
+from tokenweir.engine.sched.sampling_params import SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""The prefix cache's block hash chain, shared by the engine (engine/core/block_manager.py keys its cache with it)
+"""The prefix cache's block hash chain, shared by the engine (engine/sched/block_manager.py keys its cache with it)
 and the gateway (which computes a prompt's hashes to route it to the instance that holds its prefix). One definition,
 so the two always agree.
 

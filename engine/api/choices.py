@@ -28,7 +28,7 @@ from tokenweir.engine.api.responses import (
     TopLogprob,
 )
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sequence import TokenLogprob
+from tokenweir.engine.sched.sequence import TokenLogprob
 
 
 def _tool_call_id() -> str:

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tokenweir.common.text.chat_text import template_message
-from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -31,8 +31,8 @@ from tokenweir.engine.core.errors import RequestError, RequestFailed
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.core.metrics import EngineMetrics
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sampling_params import SamplingParams
-from tokenweir.engine.core.stats import SchedulerStats
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.sched.stats import SchedulerStats
 
 log = logging.getLogger("tokenweir.engine")
 FINISHED_MEMORY = 20_000  # final usage of this many recent requests stays queryable (POST /abort after the fact)

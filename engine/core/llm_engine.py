@@ -17,16 +17,16 @@ import torch
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.core.block_manager import BlockManager
 from tokenweir.engine.core.errors import RequestError, RequestFailed
-from tokenweir.engine.core.model_runner import ModelRunner
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.core.output_processor import OutputProcessor
 from tokenweir.engine.core.request_checks import check_request
-from tokenweir.engine.core.sampling_params import SamplingParams
-from tokenweir.engine.core.scheduler import Scheduler
-from tokenweir.engine.core.sequence import Sequence
-from tokenweir.engine.core.stats import SchedulerStats, StepStats
+from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.sched.scheduler import Scheduler
+from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.sched.stats import SchedulerStats, StepStats
+from tokenweir.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("tokenweir.engine")
 

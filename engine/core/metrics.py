@@ -1,6 +1,6 @@
 """Prometheus metrics named like vLLM's (`vllm:` -> `tokenweir:`), on a registry of the engine's own.
 
-Fed from the engine thread with stats snapshots (engine/core/stats.py) and finished sequences, never by reading the
+Fed from the engine thread with stats snapshots (engine/sched/stats.py) and finished sequences, never by reading the
 scheduler or the block manager directly.
 """
 
@@ -16,8 +16,8 @@ from prometheus_client import (
     Histogram,
 )
 
-from tokenweir.engine.core.sequence import Sequence
-from tokenweir.engine.core.stats import SchedulerStats, StepStats
+from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.sched.stats import SchedulerStats, StepStats
 
 LATENCY_BUCKETS = (
     0.005,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenweir.engine.core.sequence import TokenLogprob
+from tokenweir.engine.sched.sequence import TokenLogprob
 
 
 @dataclass

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from tokenweir.common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sampler import Sampler
-from tokenweir.engine.core.scheduler import Scheduler
-from tokenweir.engine.core.sequence import Sequence
+from tokenweir.engine.sched.scheduler import Scheduler
+from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.worker.sampler import Sampler
 
 
 class TextState:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tokenweir.engine.core.errors import RequestError
-from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # structured.py pulls in llguidance: only a request with a response_format needs it
     from tokenweir.engine.text.structured import StructuredOutputs

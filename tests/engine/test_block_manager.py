@@ -5,10 +5,10 @@ import random
 import pytest
 
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.core.block_manager import BlockManager
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.core.sampling_params import SamplingParams
-from tokenweir.engine.core.sequence import Sequence
+from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.sched.sequence import Sequence
 
 
 def seq(request_id: str, tokens: list[int]) -> Sequence:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.model.attention import AttentionMetadata
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

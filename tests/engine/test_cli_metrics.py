@@ -11,11 +11,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.tiny_llama import make_tiny_llama
+from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.flags import build_parser, engine_config, parse_args
-from tokenweir.engine.server import build_app
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -18,11 +18,11 @@ import uvicorn
 from fastapi.routing import APIRoute
 
 from tokenweir.common.engine_flags import API_KEY_ENV
+from tokenweir.engine.api import build_app
 from tokenweir.engine.api.routes import router
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.server import build_app
 
 KEY = "s3cret-engine-key"
 OPEN = {"/health", "/metrics"}

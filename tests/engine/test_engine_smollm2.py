@@ -6,8 +6,8 @@ import torch
 
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.core.output import RequestOutput
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.engine.conftest import hf_greedy
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 MAX_NEW = 12
 LENGTHS = (1, 5, 16, 17, 33, 64, 90, 150)

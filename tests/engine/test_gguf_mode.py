@@ -8,12 +8,12 @@ import torch
 from gguf import GGUFReader
 
 from tokenweir.common.text.model_files import default_model_path
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES
 from tokenweir.engine.model.linear import Int8Linear, Q4Linear
 from tokenweir.engine.model.loader import load_gguf_blocks
 from tokenweir.engine.model.precision import resolve
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("mode", ["gguf", "gguf-a16"])

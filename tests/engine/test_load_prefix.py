@@ -7,11 +7,11 @@ import sys
 from tests.engine.test_server import serve
 from tokenweir.common.text.prefix_hash import block_hashes, probe
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.core.block_manager import BlockManager
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.core.sampling_params import SamplingParams
-from tokenweir.engine.core.sequence import Sequence
-from tokenweir.engine.core.stats import PrefixCacheLog
+from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.sched.stats import PrefixCacheLog
 
 TOKENS = list(range(100, 150))
 

@@ -6,11 +6,11 @@ import torch
 
 from loadtests.perplexity import window_logprobs
 from tokenweir.common.text.model_files import default_model_path
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.model.llama import LlamaForCausalLM
 from tokenweir.engine.model.loader import load_model_weights
 from tokenweir.engine.model.precision import cpu_flags, has_native_bf16, resolve
+from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.kernels.cpu import ops as cpu_ops
 
 SHAPE = (576, 3072)

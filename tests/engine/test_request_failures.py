@@ -10,7 +10,7 @@ from tokenweir.engine.core.errors import RequestError, RequestFailed
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.core.output_processor import TextState
-from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

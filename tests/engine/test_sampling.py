@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_top_k_restricts_to_the_k_most_likely(llm):
 
 
 def _next_logits(engine, context: list[int]) -> torch.Tensor:
-    from tokenweir.engine.core.scheduler import SchedulerOutput
-    from tokenweir.engine.core.sequence import Sequence
+    from tokenweir.engine.sched.scheduler import SchedulerOutput
+    from tokenweir.engine.sched.sequence import Sequence
 
     seq = Sequence("probe", context, SamplingParams(max_tokens=1))
     assert engine.block_manager.allocate_slots(seq, len(context))

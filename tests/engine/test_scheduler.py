@@ -1,9 +1,9 @@
 """The scheduler without a model: post-step bookkeeping (`update`) and what it counts (`make_stats`)."""
 
-from tokenweir.engine.core.block_manager import BlockManager
-from tokenweir.engine.core.sampling_params import SamplingParams
-from tokenweir.engine.core.scheduler import Scheduler
-from tokenweir.engine.core.sequence import Sequence
+from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.sched.scheduler import Scheduler
+from tokenweir.engine.sched.sequence import Sequence
 
 EOS = 2
 

@@ -19,12 +19,13 @@ import uvicorn
 
 from tests.engine.tiny_llama import make_tiny_llama
 from tokenweir.common.engine_flags import parse_size
+from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine, EngineThread
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
-from tokenweir.engine.server import build_app, main
+from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.server import main
 
 PROMPT = [5, 17, 42, 99, 3, 250, 8]
 LONG = 8000  # max_tokens of requests that are meant to be cut short: they cannot finish during a test

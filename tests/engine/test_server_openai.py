@@ -11,10 +11,11 @@ import pytest
 import uvicorn
 
 from tokenweir.common.text.tokenizer import Tokenizer
+from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.server import KEEP_ALIVE_S, build_app
+from tokenweir.engine.server import KEEP_ALIVE_S
 
 pytestmark = pytest.mark.slow
 

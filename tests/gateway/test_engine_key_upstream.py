@@ -11,10 +11,10 @@ import pytest
 
 from tests.engine.tiny_llama import make_tiny_llama
 from tests.serve_thread import ServerThread, serve_app
+from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.engine.server import build_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.store.store import Store

@@ -81,7 +81,7 @@ def test_replicas_split_the_gpu_share_each_engine_reads_as_its_own():
 def test_a_gpu_kv_budget_is_the_processs_own_share_so_engines_started_one_after_another_get_equal_pools():
     """Two engines at 0.425 each on an 80 GiB GPU, 1 GiB of weights and 2 GiB of activation peak each, about
     0.5 GiB of CUDA context each: the second sees the first's memory gone from `free` and still gets the same."""
-    from tokenweir.engine.core.kv_sizing import kv_budget_bytes
+    from tokenweir.engine.worker.kv_sizing import kv_budget_bytes
 
     gib = 2**30
     total, weights, peak, context = 80 * gib, 1 * gib, 2 * gib, gib // 2

@@ -11,8 +11,8 @@ import torch
 
 from tests.engine.tiny_llama import make_tiny_llama
 from tests.kernels.helpers import DEVICE
-from tokenweir.engine.core.sampling_params import SamplingParams
 from tokenweir.engine.llm import LLM
+from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.kernels.attention import triton_paged
 from tokenweir.kernels.cpu import ops as cpu_ops
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tokenweir.engine.core.block_manager import BlockManager
-from tokenweir.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
-from tokenweir.engine.core.stats import SchedulerStats
+from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.sequence import Sequence, SequenceStatus, TokenLogprob
+from tokenweir.engine.sched.stats import SchedulerStats
 
 
 @dataclass

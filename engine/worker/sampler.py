@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenweir.engine.core.sequence import Sequence, TokenLogprob
+from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The model on its device and one step of it. Built from the config, the runner loads the weights at the resolved
-precision, sizes the KV pool (engine/core/kv_sizing.py: on a GPU after a warm-up forward) and allocates it; each
+precision, sizes the KV pool (engine/worker/kv_sizing.py: on a GPU after a warm-up forward) and allocates it; each
 step it turns a scheduled batch into flat tensors (tokens, positions, slot mapping, block tables), runs the model over
 the paged KV cache, and samples the sequences that reached the end of their known tokens.
 
@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from tokenweir.engine.config import EngineConfig
-from tokenweir.engine.core.kv_sizing import kv_block_bytes, num_kv_blocks
-from tokenweir.engine.core.sampler import Sampler, token_logprob
-from tokenweir.engine.core.scheduler import SchedulerOutput
-from tokenweir.engine.core.sequence import Sequence, TokenLogprob
 from tokenweir.engine.model.attention import AttentionMetadata
 from tokenweir.engine.model.linear import GGUF_MODES
 from tokenweir.engine.model.llama import LlamaForCausalLM
 from tokenweir.engine.model.loader import load_gguf_blocks, load_model_weights
 from tokenweir.engine.model.precision import resolve as resolve_precision
+from tokenweir.engine.sched.scheduler import SchedulerOutput
+from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
+from tokenweir.engine.worker.kv_sizing import kv_block_bytes, num_kv_blocks
+from tokenweir.engine.worker.sampler import Sampler, token_logprob
 
 log = logging.getLogger("tokenweir.engine")
 

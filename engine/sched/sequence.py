@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from tokenweir.engine.core.sampling_params import SamplingParams
+from tokenweir.engine.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # structured.py pulls in llguidance and torch; a sequence only holds its matcher
     from tokenweir.engine.text.structured import Matcher

@@ -4,7 +4,7 @@ Prefix cache: every full block is keyed by chain(parent_hash, its tokens) (commo
 router computes the same chain), so a key names the whole prefix up to and including that block. A hit is confirmed
 by comparing tokens (a hash collision must never serve wrong K/V). Blocks whose ref count drops to zero stay in the
 cache but sit on the free list in LRU order, so they are reused by new requests until the space is needed, then
-evicted oldest first. Evictions go to `log` (engine/core/stats.py PrefixCacheLog), which GET /load serves to routers.
+evicted oldest first. Evictions go to `log` (engine/sched/stats.py PrefixCacheLog), which GET /load serves to routers.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tokenweir.common.text.prefix_hash import chain
-from tokenweir.engine.core.sequence import Sequence
-from tokenweir.engine.core.stats import PrefixCacheLog
+from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.sched.stats import PrefixCacheLog
 
 
 class Block:

@@ -8,7 +8,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenweir.engine.core.sequence import Sequence
+from tokenweir.engine.sched.sequence import Sequence
 
 
 @dataclass(frozen=True)
