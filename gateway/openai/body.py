@@ -86,11 +86,6 @@ def check_together(data: dict) -> None:
         )
 
 
-def parse_json(raw: bytes, schema: TypeAdapter) -> dict:
-    """Parse and validate a request body, as the routes do (for benchmarks and tests)."""
-    return check_body(orjson_body(raw), raw, schema)
-
-
 # --- nesting depth ----------------------------------------------------------------------------------------------
 #
 # A small body with few brackets skips this (see check_body). Otherwise the check is orjson's own recursion guard,
