@@ -3,12 +3,27 @@ tests that talk to them over real HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import uvicorn
 
 from loadtests.fake_upstream import free_port
+
+T = TypeVar("T")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, keeping the event loop it serves on (see `ServerThread.call`)."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
 
 class ServerThread:
@@ -17,12 +32,18 @@ class ServerThread:
     def __init__(self, app, port: int | None = None, **uvicorn_kwargs) -> None:
         self.port = port or free_port()
         kwargs = {"log_level": "warning", "lifespan": "on", **uvicorn_kwargs}
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **kwargs))
+        self.server = _Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **kwargs))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run `coro` on the app's event loop and wait for its result: what the app holds (a Redis asyncio client's
+        connections) belongs to that loop, so a test on another thread cannot simply await it on its own."""
+        assert self.server.loop is not None, "the server is not running"
+        return asyncio.run_coroutine_threadsafe(coro, self.server.loop).result(timeout)
 
     def __enter__(self) -> ServerThread:
         self.thread.start()

@@ -187,9 +187,7 @@ async def seed_key_budgets(store: Store, state) -> None:
             key[i], key[2 + i] = tokens, cost
             by_team.setdefault(team_id, [0, 0])[i] += cost
     for (team_id, key_id), (d_tokens, m_tokens, d_cost, m_cost) in by_key.items():
-        seed = functools.partial(state.seed_spend, key_id=key_id, day_cost=d_cost, month_cost=m_cost)
-        await asyncio.to_thread(seed, team_id, d_tokens, m_tokens)
+        await state.seed_spend(team_id, d_tokens, m_tokens, key_id=key_id, day_cost=d_cost, month_cost=m_cost)
     for team_id, (d_cost, m_cost) in by_team.items():
         spent = [await asyncio.to_thread(store.spent_tokens, team_id, since) for since in (day, month)]
-        seed = functools.partial(state.seed_spend, day_cost=d_cost, month_cost=m_cost)
-        await asyncio.to_thread(seed, team_id, *spent)
+        await state.seed_spend(team_id, *spent, day_cost=d_cost, month_cost=m_cost)

@@ -141,7 +141,7 @@ async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
     backend = services.state
     if backend is not None:
         try:
-            live = with_limits(await backend.read_snapshot(team_id), limits)
+            live = with_limits(await backend.snapshot(team_id), limits)
         except StateUnavailable as e:
             live_error = f"state_unavailable: {e}"
     return TeamState(

@@ -238,7 +238,7 @@ async def seed_budgets(store: Store, state) -> None:
 
     for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
         if day_tokens or month_tokens:
-            await asyncio.to_thread(state.seed_spend, team_id, day_tokens, month_tokens)
+            await state.seed_spend(team_id, day_tokens, month_tokens)
     await seed_key_budgets(store, state)  # the keys' own budgets, and every spend (USD) budget
 
 

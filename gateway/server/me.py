@@ -49,8 +49,8 @@ async def key_info(services: Services, principal: Principal) -> dict:
     team_state = key_state = None
     error = None
     try:
-        team_state = with_limits(await services.state.read_snapshot(team.id), team.limits)
-        key_state = await services.state.read_snapshot(team.id, key_id=key.id)
+        team_state = with_limits(await services.state.snapshot(team.id), team.limits)
+        key_state = await services.state.snapshot(team.id, key_id=key.id)
         key_state = with_limits(key_state, key.limits or KeyLimits())
     except StateUnavailable as e:
         error = f"state_unavailable: {e}"

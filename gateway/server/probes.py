@@ -96,7 +96,7 @@ async def metrics(request: Request, services: ServicesDep) -> Response:
     teams = sorted(services.admission.seen_teams)[:MAX_TEAM_SERIES]
     for team_id in teams:
         try:
-            m.refresh_team(team_id, await services.state.read_snapshot(team_id))
+            m.refresh_team(team_id, await services.state.snapshot(team_id))
         except StateUnavailable:
             break  # the state is away: the gauges keep their last values; /health says why
     for model, queue in services.queues.items():

@@ -58,7 +58,7 @@ class StateBackend(Protocol):
 
     async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None: ...
 
-    def seed_spend(
+    async def seed_spend(
         self,
         team_id: str,
         day_tokens: int,
@@ -70,9 +70,7 @@ class StateBackend(Protocol):
         month_cost: int | None = None,
     ) -> None: ...
 
-    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict: ...
-
-    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict: ...
+    async def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict: ...
 
     async def ping(self) -> None: ...
 

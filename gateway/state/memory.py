@@ -249,7 +249,7 @@ class InMemoryState:
             assert key.in_flight > 0, f"release_slot without acquire_slot for key {key_id}"
             key.in_flight -= 1
 
-    def seed_spend(
+    async def seed_spend(
         self,
         team_id: str,
         day_tokens: int,
@@ -271,7 +271,7 @@ class InMemoryState:
         if month_cost is not None:
             subject.month_cost.seed(month_cost, now)
 
-    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
+    async def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
         """Live counters for the admin API and metrics (a team never seen reads as all zeros); with key_id, that
         API key's own counters. Limits are those of the last reserve: `policies.snapshot.with_limits` applies
         the current ones."""
@@ -291,10 +291,6 @@ class InMemoryState:
             day_usd=_spend_budget_view(team.day_cost, now),
             month_usd=_spend_budget_view(team.month_cost, now),
         )
-
-    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
-        """`snapshot` for async callers (the Redis backend reads over the network)."""
-        return self.snapshot(team_id, key_id=key_id)
 
     async def ping(self) -> None:
         """Readiness: an in-process state is always up."""

@@ -8,8 +8,9 @@ tokens given back) by the next reserve, expired slot leases by the next acquire.
 background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
 increment; a window hash's TTL does follow its newest write, which is harmless because the counts inside age
 out by slot index, not by TTL (the TTL only garbage-collects an idle team's hash).
-Times come from the calling replica's clock (NTP-synced replicas agree to well within a 1 s slot); `snapshot`
-and `seed_spend` are sync by contract and use a small blocking client (an admin call, a metrics scrape).
+Times come from the calling replica's clock (NTP-synced replicas agree to well within a 1 s slot). Every method,
+`snapshot` and `seed_spend` included, goes through the one asyncio client, bound to the event loop that first uses
+it: a caller on another thread runs the coroutine on that loop (asyncio.run_coroutine_threadsafe).
 """
 
 from __future__ import annotations
@@ -95,10 +96,6 @@ class RedisState:
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=pool)
-        # seed_spend() and snapshot() are sync by contract (start-up, tests)
-        self._sync = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
         self._reserve = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
         self._acquire = self._redis.register_script(ACQUIRE)
@@ -337,7 +334,7 @@ class RedisState:
             with contextlib.suppress(*REDIS_ERRORS):  # Redis is away: next round (a lease lasts three)
                 await self.renew_leases()
 
-    def seed_spend(
+    async def seed_spend(
         self,
         team_id: str,
         day_tokens: int,
@@ -353,7 +350,7 @@ class RedisState:
         femto-USD, kept as whole micro-USD plus the femto-USD below one (as SETTLE keeps them)."""
         now = self._clock() if now is None else now
         day_k, month_k, _, _, d_exp, m_exp = self._keys.period_keys(team_id, now, key_id)
-        with self._sync.pipeline() as pipe:
+        async with self._redis.pipeline(transaction=True) as pipe:
             # one command a statement: the stubs type each as its reply, not as the pipeline it returns
             pipe.hsetnx(day_k, "spent", day_tokens)
             pipe.expire(day_k, d_exp)
@@ -364,19 +361,12 @@ class RedisState:
                     micros, below = split_femtos(cost)
                     pipe.hsetnx(hash_key, "cost_spent", micros)
                     pipe.hsetnx(hash_key, "cost_spent_rem", below)
-            pipe.execute()
+            await pipe.execute()
 
-    def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
-        """Live counters across all replicas (one pipelined read; sync because the contract is); with key_id, that
-        API key's own counters."""
+    async def snapshot(self, team_id: str, now: float | None = None, *, key_id: str | None = None) -> dict:
+        """Live counters across all replicas (one pipelined read); with key_id, that API key's own counters.
+        StateUnavailable when Redis cannot answer."""
         now = self._clock() if now is None else now
-        with self._sync.pipeline(transaction=False) as pipe:
-            reads = self._keys.snapshot_reads(pipe, team_id, now, key_id).execute()
-            return snapshot_view(team_id, now, reads)
-
-    async def read_snapshot(self, team_id: str, *, key_id: str | None = None) -> dict:
-        """`snapshot` without blocking the event loop; StateUnavailable when Redis cannot answer."""
-        now = self._clock()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 results = await self._keys.snapshot_reads(pipe, team_id, now, key_id).execute()
@@ -396,4 +386,3 @@ class RedisState:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
         await self._redis.aclose()
-        self._sync.close()

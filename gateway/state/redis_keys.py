@@ -43,7 +43,7 @@ class RedisKeyLayout:
         return self.key(team_id, f"{sub}day:{d}"), self.key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
 
     def snapshot_reads(self, pipe: Any, team_id: str, now: float, key_id: str | None = None) -> Any:
-        """Queue on `pipe` (sync or async) the reads of a subject's snapshot, in the order
+        """Queue on `pipe` (an asyncio pipeline) the reads of a subject's snapshot, in the order
         `redis_replies.snapshot_view` reads their replies: rpm, tpm, day, month, meta, live slots, holds."""
         day_k, month_k, *_ = self.period_keys(team_id, now, key_id)
         sub = self.subject(key_id)

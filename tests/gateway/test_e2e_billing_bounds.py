@@ -73,7 +73,7 @@ def stack(request, tmp_path_factory):
             usage_flush_interval_s=0.1,
         )
         with serve_app(config, store=store, state_backend=state) as gw:
-            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": live, "app": gw.app}
+            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": live, "app": gw.app, "gw": gw}
     store.close()
     if prefix is not None:
         _drop_prefix(prefix)
@@ -159,7 +159,7 @@ async def test_streams_an_external_pool_never_finished_are_billed_the_reservatio
         assert e["usage_source"] == "reservation_bound", e
         assert (e["prompt_tokens"], e["completion_tokens"], e["max_tokens"]) == (6, 160, 160), e
         assert e["completion_tokens"] >= completion and e["prompt_tokens"] >= prompt, (e, completion)
-    spent = stack["app"].state.services.state.snapshot(team_id)["spent_today"]
+    spent = stack["gw"].call(stack["app"].state.services.state.snapshot(team_id))["spent_today"]
     assert spent == 12 * (6 + 160)
 
 

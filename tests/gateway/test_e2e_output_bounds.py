@@ -49,7 +49,7 @@ def stack(request, tmp_path_factory):
             usage_flush_interval_s=0.1,
         )
         with serve_app(config, store=store, state_backend=state) as gw:
-            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": fake, "app": gw.app}
+            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": fake, "app": gw.app, "gw": gw}
     store.close()
     if prefix is not None:
         _drop_prefix(prefix)
@@ -168,5 +168,5 @@ def test_output_an_upstream_makes_beyond_the_reservation_is_billed_and_named_in_
     assert r.status_code == 200, r.text
     [event] = events_of(stack, team_id, 1)
     assert (event["max_tokens"], event["completion_tokens"], event["overrun_tokens"]) == (5, 12, 7), event
-    snap = stack["app"].state.services.state.snapshot(team_id)
+    snap = stack["gw"].call(stack["app"].state.services.state.snapshot(team_id))
     assert snap["spent_today"] == len(PROMPT) + 12, snap

@@ -56,6 +56,7 @@ def stack(tmp_path_factory):
                 "url": gw.url,
                 "events": tmp / "events.jsonl",
                 "app": gw.app,
+                "gw": gw,
                 "admin": {"authorization": f"Bearer {admin}"},
             }
     store.close()
@@ -189,7 +190,7 @@ async def test_client_leaving_while_queued_never_reaches_the_upstream(stack):
     assert stack["app"].state.services.queues["serial"].stats()["queued"] == 0, "the waiter left no trace"
     await blocker
     assert event["upstream_request_id"] is None, "a request that never left the queue reached no upstream"
-    snap = stack["app"].state.services.state.snapshot(event["team"])
+    snap = stack["gw"].call(stack["app"].state.services.state.snapshot(event["team"]))
     assert snap["reserved_tokens"] == 0 and snap["in_flight"] == 0
 
 

@@ -45,7 +45,7 @@ def stack(tmp_path_factory):
             usage_flush_interval_s=0.1,
         )
         with serve_app(config, store=store, state_backend=InMemoryState()) as gw:
-            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": fake, "app": gw.app}
+            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "fake": fake, "app": gw.app, "gw": gw}
     store.close()
 
 
@@ -119,7 +119,7 @@ def test_a_stream_past_its_max_tokens_is_cut_at_the_reservation_and_billed_what_
     assert (event["max_tokens"], event["overrun_tokens"]) == (MAX_TOKENS * n, expected[1] - MAX_TOKENS * n), event
     usage = seen["usage"]  # the client is told what it is billed
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == expected[:2], usage
-    snap = stack["app"].state.services.state.snapshot(team_id)
+    snap = stack["gw"].call(stack["app"].state.services.state.snapshot(team_id))
     assert snap["spent_today"] == expected[0] + expected[1], snap
 
 

@@ -78,29 +78,31 @@ def test_the_journal_stays_small_however_many_requests_pass(tmp_path):
 
 
 def test_a_request_releases_its_own_lease_by_id_not_another_ones():
+    from tokenweir.gateway.state.backend import StateUnavailable
     from tokenweir.gateway.state.redis import RedisState
 
     state = RedisState(prefix=f"twtest-{uuid.uuid4().hex[:8]}")
-    try:
-        state._sync.ping()
-    except Exception as e:  # noqa: BLE001
-        require_service("redis", str(e))
-    slots = state._keys.key("t", "slots")
+    slots, redis = state.keys.key("t", "slots"), state.client
 
     async def run() -> None:
+        try:
+            await state.ping()
+        except StateUnavailable as e:
+            await state.close()
+            require_service("redis", str(e))
         try:
             first, second = uuid.uuid4().hex, uuid.uuid4().hex
             assert await state.acquire_slot("t", 2, lease_id=first) and await state.acquire_slot(
                 "t", 2, lease_id=second
             )
-            assert sorted(state._sync.zrange(slots, 0, -1)) == sorted([first, second]), "named as the caller said"
+            assert sorted(await redis.zrange(slots, 0, -1)) == sorted([first, second]), "named as the caller said"
             await state.release_slot("t", lease_id=first)  # the older one: a plain release would drop the newest
-            assert state._sync.zrange(slots, 0, -1) == [second], "the lease a restart would release is the live one"
+            assert await redis.zrange(slots, 0, -1) == [second], "the lease a restart would release is the live one"
             await state.release_slot("t", lease_id=second)
-            assert not state._sync.zcard(slots)
+            assert not await redis.zcard(slots)
             assert await state.acquire_slot("t", 1) and not await state.acquire_slot("t", 1)
         finally:
-            state._sync.delete(slots)
+            await redis.delete(slots)
             await state.close()
 
     asyncio.run(run())

@@ -79,7 +79,14 @@ def stack(request, tmp_path_factory):
             usage_flush_interval_s=0.1,
         )
         with serve_app(config, store=store, state_backend=state) as gw:
-            yield {"store": store, "url": gw.url, "events": tmp / "events.jsonl", "state": state, "admin": admin_secret}
+            yield {
+                "store": store,
+                "url": gw.url,
+                "events": tmp / "events.jsonl",
+                "state": state,
+                "admin": admin_secret,
+                "gw": gw,
+            }
     store.close()
     if prefix is not None:
         _drop_prefix(prefix)
@@ -116,9 +123,13 @@ def error(r: httpx.Response, status: int, code: str) -> dict:
     return err
 
 
+def live(stack, team_id: str, key_id: str | None = None) -> dict:
+    """The app's live counters for the team (or its key), read on the app's own event loop."""
+    return stack["gw"].call(stack["state"].snapshot(team_id, key_id=key_id))
+
+
 def snapshots(stack, team_id: str, key_id: str) -> tuple[dict, dict]:
-    state = stack["state"]
-    return state.snapshot(team_id), state.snapshot(team_id, key_id=key_id)
+    return live(stack, team_id), live(stack, team_id, key_id)
 
 
 # --- through the HTTP app ------------------------------------------------------------------------------------------
@@ -130,7 +141,7 @@ def test_a_key_with_rpm_2_gets_429_on_its_third_request_while_its_teammate_is_un
     err = error(call(stack, limited), 429, "rate_limited")
     assert "2 requests per minute" in err["message"] and "API key" in err["message"]
     assert [call(stack, free).status_code for _ in range(3)] == [200, 200, 200]
-    assert stack["state"].snapshot(team.id)["requests_last_minute"] == 5  # the refused one took from neither
+    assert live(stack, team.id)["requests_last_minute"] == 5  # the refused one took from neither
 
 
 def test_a_keys_token_budget_stops_it_while_the_team_still_has_budget(stack):
@@ -297,7 +308,7 @@ async def test_a_request_refused_by_the_team_takes_nothing_from_its_key(backend)
     with pytest.raises(Rejected) as info:
         await state.reserve("t", team, 5, 10, now=NOW, key_id="k", key_limits=key)
     assert "the team's daily budget is 20 tokens" in info.value.message
-    snap = state.snapshot("t", now=NOW, key_id="k")
+    snap = await state.snapshot("t", now=NOW, key_id="k")
     assert (snap["day"]["reserved"], snap["requests_last_minute"], snap["open_reservations"]) == (15, 1, 1)
 
 
@@ -314,10 +325,10 @@ async def test_200_concurrent_reserves_admit_what_the_tighter_of_key_and_team_al
     results = await asyncio.gather(*[one(i) for i in range(200)])
     admitted = [r for r in results if not isinstance(r, Rejected)]
     assert len(admitted) == 10
-    assert a.snapshot("t", now=NOW)["day"]["reserved"] == 1000  # the team counted exactly the key's admissions
+    assert (await a.snapshot("t", now=NOW))["day"]["reserved"] == 1000  # the team counted exactly the key's admissions
     await asyncio.gather(*[(a, b)[i % 2].settle(r, 40, 10, now=NOW, cost=0) for i, r in enumerate(admitted)])
     await asyncio.gather(*[b.settle(r, 40, 99, now=NOW) for r in admitted])  # a second settle changes nothing
-    for snap in (a.snapshot("t", now=NOW), a.snapshot("t", now=NOW, key_id="k")):
+    for snap in (await a.snapshot("t", now=NOW), await a.snapshot("t", now=NOW, key_id="k")):
         assert (snap["day"]["spent"], snap["day"]["reserved"], snap["open_reservations"]) == (500, 0, 0), snap
 
 
@@ -328,9 +339,9 @@ async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(
         res = await state.reserve("t", TeamLimits(rpm=5), 1, 1, now=NOW, key_id="k", key_limits=limits, cost=7)
         assert res.key_id == "k"
         await state.settle(res, 1, 0, now=NOW, cost=3 * 10**9)  # exact cost in femto-USD: 3 micro-USD
-    key = state.snapshot("t", now=NOW, key_id="k")
+    key = await state.snapshot("t", now=NOW, key_id="k")
     assert (key["day"]["spent"], key["day"]["remaining"], key["day_usd"]["spent"]) == (2, None, 0.000006)
-    assert state.snapshot("t", now=NOW)["requests_last_minute"] == 2
+    assert (await state.snapshot("t", now=NOW))["requests_last_minute"] == 2
 
 
 async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(backend):
@@ -340,11 +351,11 @@ async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(backend
     assert await state.acquire_slot("t", 3)
     assert await state.acquire_slot("t", 3, key_id="j", key_max=5)
     assert not await state.acquire_slot("t", 3, key_id="j", key_max=5)  # now the team is full
-    assert state.snapshot("t")["in_flight"] == 3 and state.snapshot("t", key_id="j")["in_flight"] == 1
+    assert (await state.snapshot("t"))["in_flight"] == 3 and (await state.snapshot("t", key_id="j"))["in_flight"] == 1
     await state.release_slot("t", key_id="k")
     await state.release_slot("t", key_id="j")
     await state.release_slot("t")
-    assert state.snapshot("t")["in_flight"] == 0 and state.snapshot("t", key_id="k")["in_flight"] == 0
+    assert (await state.snapshot("t"))["in_flight"] == 0 and (await state.snapshot("t", key_id="k"))["in_flight"] == 0
     with pytest.raises(AssertionError):
         await state.release_slot("t", key_id="k")
 
@@ -361,7 +372,7 @@ async def test_a_restart_seeds_the_keys_budgets_and_the_teams_spend_from_the_sto
         ],
     )
     await seed_key_budgets(store, state)
-    key, team = state.snapshot("t", key_id="k"), state.snapshot("t")
+    key, team = await state.snapshot("t", key_id="k"), await state.snapshot("t")
     assert (key["day"]["spent"], key["month"]["spent"], key["day_usd"]["spent"]) == (50, 50, 0.004)
     assert (team["day"]["spent"], team["day_usd"]["spent"], team["month_usd"]["spent"]) == (100, 0.005, 0.005)
     with pytest.raises(Rejected) as info:  # the key's $0.0045 a day is almost gone: a restart did not refill it

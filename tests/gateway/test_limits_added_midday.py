@@ -121,5 +121,5 @@ async def test_holds_taken_before_a_keys_limit_count_against_it_so_concurrent_re
     results = await asyncio.gather(*[one(i) for i in range(40)])
     assert sum(not isinstance(r, Rejected) for r in results) == 5  # 2500 - 2000 held leaves room for 5
     await asyncio.gather(*[a.settle(r, 50, 0, now=NOW) for r in held])  # each used 50 of its 100
-    snap = a.snapshot("t", now=NOW, key_id="k")
+    snap = await a.snapshot("t", now=NOW, key_id="k")
     assert (snap["day"]["spent"], snap["day"]["reserved"], snap["open_reservations"]) == (1000, 500, 5), snap

@@ -83,7 +83,7 @@ def test_fail_open_admits_under_local_limits_and_keeps_the_spend_for_the_shared_
             # Redis was never reached (start-up waits for its epoch): no reserve went out, so none is to be undone
             # (a reserve whose answer was lost is: tests/gateway/test_state_loss.py)
             assert [op for op in pending if op not in spend] == []
-            local = gw.app.state.services.admission.local.snapshot(team_id)
+            local = gw.call(gw.app.state.services.admission.local.snapshot(team_id))
             assert local["in_flight"] == 0 and local["spent_today"] == sum(fake.totals())
     outbox_file = tmp_path / "events.outbox.jsonl"
     assert len(outbox_file.read_bytes().splitlines()) == 3, "undelivered changes stay on disk for the next start"

@@ -60,7 +60,7 @@ async def test_200_concurrent_reserves_admit_exactly_what_fits(backend, limits, 
     admitted, rejected = await reserve_many(backend, limits, 200)
     assert len(admitted) == admits
     assert {r.reason for r in rejected} == {reason}
-    snap = backend[1].snapshot("t", now=NOW)
+    snap = await backend[1].snapshot("t", now=NOW)
     assert (snap["reserved_tokens"], snap["open_reservations"]) == (admits * 100, admits)
 
 
@@ -77,14 +77,14 @@ async def test_reservations_interleaved_with_awaits_still_cannot_overrun(backend
             except Rejected:
                 continue
             admitted.append(res)
-            snap = state.snapshot("t", now=NOW)
+            snap = await state.snapshot("t", now=NOW)
             assert snap["day"]["spent"] + snap["day"]["reserved"] <= 5000
             await asyncio.sleep(0)
             if i % 2:
                 await state.settle(res, 50, 20, now=NOW)
 
     await asyncio.gather(*[client(i) for i in range(40)])
-    snap = backend[0].snapshot("t", now=NOW)
+    snap = await backend[0].snapshot("t", now=NOW)
     assert snap["day"]["spent"] + snap["day"]["reserved"] <= 5000
     assert len(admitted) > 25  # refunds from settles let more in than 5000 / 200
 
@@ -96,7 +96,7 @@ async def test_settle_refunds_the_unused_part_everywhere(backend):
     assert res.tokens == 600
     assert res.headers["x-ratelimit-remaining-tokens"] == "400"
     await b.settle(res, 100, 50, now=NOW + 1)
-    snap = b.snapshot("t", now=NOW + 1)
+    snap = await b.snapshot("t", now=NOW + 1)
     assert snap["tokens_last_minute"] == 150
     assert snap["day"] | {"resets_in_s": 0} == {
         "period": "2026-05-10",
@@ -117,7 +117,7 @@ async def test_settle_is_idempotent(backend):
     res = await a.reserve("t", TeamLimits(tokens_per_day=1000), 10, 90, now=NOW)
     await asyncio.gather(*[(a, b)[i % 2].settle(res, 10, 40, now=NOW) for i in range(5)])
     await b.settle(res, 10, 90, now=NOW)  # a late, different settle changes nothing either
-    snap = a.snapshot("t", now=NOW)
+    snap = await a.snapshot("t", now=NOW)
     assert (snap["spent_today"], snap["reserved_tokens"], snap["remaining_day"]) == (50, 0, 950)
 
 
@@ -125,7 +125,7 @@ async def test_overshoot_is_charged_in_full(backend):
     a, b = backend
     res = await a.reserve("t", TeamLimits(tpm=1000, tokens_per_day=1000), 10, 90, now=NOW)
     await b.settle(res, 10, 140, now=NOW)
-    snap = a.snapshot("t", now=NOW)
+    snap = await a.snapshot("t", now=NOW)
     assert (snap["spent_today"], snap["day"]["overshoot"], snap["tokens_last_minute"]) == (150, 50, 150)
     assert res.overshoot == 50
 
@@ -134,7 +134,7 @@ async def test_settling_nothing_refunds_everything_but_the_request(backend):
     a, b = backend
     res = await a.reserve("t", TeamLimits(rpm=10, tokens_per_day=100), 20, 80, now=NOW)
     await b.settle(res, 0, 0, now=NOW)
-    snap = a.snapshot("t", now=NOW)
+    snap = await a.snapshot("t", now=NOW)
     assert (snap["remaining_day"], snap["requests_last_minute"]) == (100, 1)
 
 
@@ -143,13 +143,13 @@ async def test_a_rejection_takes_nothing_and_says_why(backend):
     with pytest.raises(Rejected) as info:
         await a.reserve("t", TeamLimits(rpm=10, tpm=100, tokens_per_day=1000), 60, 60, now=NOW)  # > tpm, ever
     assert info.value.reason == "rate_limited" and "too large" in info.value.message
-    snap = a.snapshot("t", now=NOW)
+    snap = await a.snapshot("t", now=NOW)
     assert (snap["requests_last_minute"], snap["tokens_last_minute"], snap["reserved_tokens"]) == (0, 0, 0)
     with pytest.raises(Rejected) as info:
         await a.reserve("t", TeamLimits(tokens_per_month=500), 100, 401, now=NOW)
     assert info.value.reason == "budget_exhausted"
     assert "501" in info.value.message and "whole budget is 500" in info.value.message
-    assert a.snapshot("t", now=NOW)["reserved_tokens"] == 0
+    assert (await a.snapshot("t", now=NOW))["reserved_tokens"] == 0
 
 
 async def test_rate_rejection_has_headers_and_a_window_retry_after(backend):
@@ -181,10 +181,10 @@ async def test_budget_rejection_waits_for_the_next_utc_day(backend):
     assert "daily" in info.value.message and "100" in info.value.message and "3600s" in info.value.message
     midnight = late + 3600  # a fresh day admits again; yesterday's hold settles onto today's spend
     res = await b.reserve("t", limits, 10, 10, now=midnight)
-    assert a.snapshot("t", now=midnight)["remaining_day"] == 80
+    assert (await a.snapshot("t", now=midnight))["remaining_day"] == 80
     await a.settle(held, 50, 10, now=midnight)
     await b.settle(res, 10, 10, now=midnight)
-    snap = a.snapshot("t", now=midnight)
+    snap = await a.snapshot("t", now=midnight)
     assert (snap["day"]["period"], snap["spent_today"], snap["day"]["reserved"], snap["remaining_day"]) == (
         "2026-05-11",
         80,
@@ -198,19 +198,19 @@ async def test_settle_across_midnight_charges_the_new_day(backend):
     late = datetime(2026, 5, 10, 23, 59, 59, tzinfo=UTC).timestamp()
     res = await a.reserve("t", TeamLimits(tokens_per_day=1000), 100, 400, now=late)
     await b.settle(res, 100, 200, now=late + 2)
-    snap = a.snapshot("t", now=late + 2)
+    snap = await a.snapshot("t", now=late + 2)
     assert (snap["day"]["period"], snap["spent_today"], snap["day"]["reserved"]) == ("2026-05-11", 300, 0)
     assert snap["reserved_tokens"] == 0
 
 
 async def test_seed_spend_counts_against_budgets(backend):
     a, b = backend
-    a.seed_spend("t", day_tokens=900, month_tokens=9_900, now=NOW)
+    await a.seed_spend("t", day_tokens=900, month_tokens=9_900, now=NOW)
     limits = TeamLimits(tokens_per_day=1000, tokens_per_month=10_000)
     with pytest.raises(Rejected):
         await b.reserve("t", limits, 50, 60, now=NOW)
     assert await b.reserve("t", limits, 50, 50, now=NOW)
-    assert a.snapshot("t", now=NOW)["remaining_month"] == 0
+    assert (await a.snapshot("t", now=NOW))["remaining_month"] == 0
 
 
 async def test_10_000_settles_at_a_tiny_price_bill_the_exact_sum(backend):
@@ -227,7 +227,7 @@ async def test_10_000_settles_at_a_tiny_price_bill_the_exact_sum(backend):
         await asyncio.gather(*(request(i) for i in range(start, start + 100)))
     exact = 10_000 * 14 * 1e-6 / 1e6  # 1.4e-7 USD
     for key_id in (None, "k"):
-        snap = backend[0].snapshot("t", now=NOW, key_id=key_id)
+        snap = await backend[0].snapshot("t", now=NOW, key_id=key_id)
         for period in ("day_usd", "month_usd"):
             spent = snap[period]["spent"]
             assert abs(spent - exact) <= 0.01 * exact, (key_id, period, spent)
@@ -236,12 +236,12 @@ async def test_10_000_settles_at_a_tiny_price_bill_the_exact_sum(backend):
 
 async def test_spend_below_a_micro_dollar_carries_into_what_budgets_count(backend):
     a, b = backend
-    a.seed_spend("t", 0, 0, now=NOW, day_cost=1_500_000_000, month_cost=1_500_000_000)  # 1.5 micro-USD, exact
+    await a.seed_spend("t", 0, 0, now=NOW, day_cost=1_500_000_000, month_cost=1_500_000_000)  # 1.5 micro-USD, exact
     limits = TeamLimits(usd_per_day=0.000004)  # 4 micro-USD
     for _ in range(3):  # 0.6 micro-USD each: 3.3 micro-USD spent in all, 3 whole ones counted against the budget
         res = await b.reserve("t", limits, 1, 1, now=NOW, cost=1)
         await a.settle(res, 1, 1, now=NOW, cost=600_000_000)
-    view = b.snapshot("t", now=NOW)["day_usd"]
+    view = (await b.snapshot("t", now=NOW))["day_usd"]
     assert (view["spent"], view["reserved"], view["remaining"]) == (femtos_to_usd(3_300_000_000), 0, 0.000001)
     with pytest.raises(Rejected):
         await a.reserve("t", limits, 1, 1, now=NOW, cost=2)
@@ -262,7 +262,7 @@ async def test_teams_are_independent(backend):
     limits = TeamLimits(tokens_per_day=100)
     await a.reserve("a", limits, 50, 50, now=NOW)
     assert await b.reserve("b", limits, 50, 50, now=NOW)
-    assert a.snapshot("a", now=NOW)["remaining_day"] == 0
+    assert (await a.snapshot("a", now=NOW))["remaining_day"] == 0
 
 
 async def test_concurrency_slots(backend):
@@ -274,14 +274,14 @@ async def test_concurrency_slots(backend):
     ]
     await a.release_slot("t")
     assert await a.acquire_slot("t", 2)
-    assert b.snapshot("t")["in_flight"] == 2
+    assert (await b.snapshot("t"))["in_flight"] == 2
     assert all([await a.acquire_slot("u", None) for _ in range(50)])
     with pytest.raises(AssertionError):
         await a.release_slot("never-acquired")
 
 
-def test_snapshot_of_an_unknown_team_is_zero(backend):
-    snap = backend[0].snapshot("nobody", now=NOW)
+async def test_snapshot_of_an_unknown_team_is_zero(backend):
+    snap = await backend[0].snapshot("nobody", now=NOW)
     assert (snap["in_flight"], snap["reserved_tokens"], snap["spent_today"], snap["remaining_day"]) == (0, 0, 0, None)
 
 
@@ -302,8 +302,8 @@ async def test_slots_survive_a_cancellation_storm(backend):
 
     tasks = [asyncio.create_task(request()) for _ in range(60)]
     await started.wait()
-    assert state.snapshot("t")["in_flight"] == 60
+    assert (await state.snapshot("t"))["in_flight"] == 60
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert state.snapshot("t")["in_flight"] == 0
+    assert (await state.snapshot("t"))["in_flight"] == 0

@@ -166,7 +166,7 @@ async def test_a_seed_adds_the_stored_spend_exactly_and_once_per_epoch(redis_pre
     spend = [SubjectSpend(None, 10, 20, 1_500_000_000_123, 2 * 10**12), SubjectSpend("k1", 5, 6, 700, 800)]
     assert await epoch.seed_team("t1", "E1", spend, time.time())
     assert not await epoch.seed_team("t1", "E1", spend, time.time())  # a second replica's seed adds nothing
-    team, key = await state.read_snapshot("t1"), await state.read_snapshot("t1", key_id="k1")
+    team, key = await state.snapshot("t1"), await state.snapshot("t1", key_id="k1")
     assert (team["day"]["spent"], team["month"]["spent"], key["day"]["spent"]) == (10, 20, 5)
     assert (team["day_usd"]["spent"], key["day_usd"]["spent"]) == (0.001500000000123, 7e-13)
     await state.close()

@@ -33,7 +33,7 @@ async def test_a_settle_on_another_replica_is_a_no_op(replicas):
     twin = copy.copy(res)  # the same hold as another replica would see it
     await a.settle(res, 100, 50, now=NOW + 1)
     await b.settle(twin, 100, 400, now=NOW + 1)  # already settled in Redis: changes nothing
-    snap = b.snapshot("t", now=NOW + 1)
+    snap = await b.snapshot("t", now=NOW + 1)
     assert snap["tokens_last_minute"] == 150
     assert (snap["day"]["spent"], snap["day"]["reserved"], snap["remaining_day"]) == (150, 0, 850)
     assert (snap["reserved_tokens"], snap["open_reservations"], snap["remaining_month"]) == (0, 0, 4850)
@@ -47,12 +47,12 @@ async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_prefix):
     with pytest.raises(Rejected):
         await live.reserve("t", limits, 1, 1, now=NOW + 10)
     assert await live.reserve("t", limits, 400, 600, now=NOW + 31)  # the dead hold lapsed and was given back
-    assert live.snapshot("t", now=NOW + 31)["open_reservations"] == 1
+    assert (await live.snapshot("t", now=NOW + 31))["open_reservations"] == 1
     # the "dead" replica was only slow: its late settle still bills what was made, and gives back nothing twice
     twin = copy.copy(slow)
     await dead.settle(slow, 400, 300, now=NOW + 40)
     await live.settle(twin, 400, 300, now=NOW + 40)  # and a second settle is still a no-op
-    snap = live.snapshot("t", now=NOW + 40)
+    snap = await live.snapshot("t", now=NOW + 40)
     assert (snap["spent_today"], snap["day"]["reserved"], snap["reserved_tokens"]) == (700, 1000, 1000)
     await dead.close()
     await live.close()
@@ -64,19 +64,19 @@ async def test_slots_are_shared_and_leases_lapse(redis_prefix):
     b = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
     assert [await a.acquire_slot("t", 3), await b.acquire_slot("t", 3), await a.acquire_slot("t", 3)] == [True] * 3
     assert not await b.acquire_slot("t", 3)
-    assert a.snapshot("t")["in_flight"] == 3
+    assert (await a.snapshot("t"))["in_flight"] == 3
     await a.release_slot("t")
     assert await b.acquire_slot("t", 3)
     # a keeps renewing its lease; b "crashes" (never releases, never renews)
     clock.t += 20
     await a.renew_leases()
     clock.t += 15  # b's two leases are past expiry, a's renewed one is not
-    assert a.snapshot("t")["in_flight"] == 1
+    assert (await a.snapshot("t"))["in_flight"] == 1
     assert await a.acquire_slot("t", 3) and await a.acquire_slot("t", 3)
     assert not await a.acquire_slot("t", 3)
     for _ in range(3):
         await a.release_slot("t")
-    assert a.snapshot("t")["in_flight"] == 0
+    assert (await a.snapshot("t"))["in_flight"] == 0
     assert await a.acquire_slot("u", None)
     await a.release_slot("u")
     with pytest.raises(AssertionError):
@@ -87,12 +87,12 @@ async def test_slots_are_shared_and_leases_lapse(redis_prefix):
 
 async def test_seed_spend_never_overwrites_live_counters(replicas):
     (a, b), _ = replicas
-    a.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)
+    await a.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)
     limits = TeamLimits(tokens_per_day=1000)
     res = await a.reserve("t", limits, 50, 50, now=NOW)
     await a.settle(res, 50, 50, now=NOW)
-    b.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)  # a replica starting later, stale store
-    snap = b.snapshot("t", now=NOW)
+    await b.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)  # a replica starting later, stale store
+    snap = await b.snapshot("t", now=NOW)
     assert (snap["spent_today"], snap["spent_month"], snap["remaining_day"]) == (1000, 9100, 0)
 
 
@@ -137,7 +137,8 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
             assert r1.headers == r2.headers
             held.append((r1, r2))
     for key_id in ("k", None) if keyed else (None,):
-        a, b = redis_state.snapshot("t", now=now, key_id=key_id), memory.snapshot("t", now=now, key_id=key_id)
+        a = await redis_state.snapshot("t", now=now, key_id=key_id)
+        b = await memory.snapshot("t", now=now, key_id=key_id)
         for name in ("reserved_tokens", "open_reservations", "requests_last_minute", "tokens_last_minute"):
             assert a[name] == b[name], name
         for name in ("spent", "reserved", "remaining", "overshoot"):

@@ -173,4 +173,4 @@ async def test_10_000_requests_at_a_tiny_price_are_stored_and_seeded_at_their_ex
         state = InMemoryState()
         await seed_key_budgets(store, state)
         for key_id in (None, "k"):
-            assert state.snapshot("t", key_id=key_id)["day_usd"]["spent"] == femtos_to_usd(exact_femtos)
+            assert (await state.snapshot("t", key_id=key_id))["day_usd"]["spent"] == femtos_to_usd(exact_femtos)
