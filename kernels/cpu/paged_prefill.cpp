@@ -6,7 +6,7 @@
 // the kv head, so each key and value serves all of them. Keys are transposed once per (sequence, kv head) into tiles
 // [D][16], so a score tile is D broadcast-FMAs per row. float32 throughout; AVX-512 with head_dim 64 (SmolLM2's),
 // where `paged_prefill_attention` returns false otherwise and the caller takes the torch reference (also the oracle in
-// tests/kernels/test_cpu_prefill.py).
+// tests/contract/kernels/test_cpu_prefill.py).
 // With `bf16` (the engine's bfloat16-prefill mode, on a CPU with AVX512_BF16) q.k and p.v are bfloat16 pairs summed
 // into float32 by vdpbf16ps, half the instructions of the float32 FMAs: q, k, v and the probabilities are rounded to
 // bfloat16 (as flash attention keeps them on GPUs), the softmax and every sum stay float32. Keys are packed per tile as

@@ -1,0 +1,1 @@
+"""The gateway app in this process against fake upstreams: admission, limits, billing, routing, relay, admin."""

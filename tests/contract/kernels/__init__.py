@@ -1,0 +1,1 @@
+"""Triton and CPU kernels against torch references (Triton interpreted on CPU)."""

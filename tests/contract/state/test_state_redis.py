@@ -1,0 +1,160 @@
+"""What only RedisState has, against a real Redis: a settle on another replica is a no-op, dead replicas' holds and
+slots lapse, leases are renewed, seeding never overwrites live counters, and parity with InMemoryState (the Lua
+scripts' window and budget arithmetic against the Python copy in policies.rate / policies.budget). The contract both
+backends share is tested once, on both, in test_state_backends.py."""
+
+import asyncio
+import copy
+import random
+
+import pytest
+
+from tests.support.state import NOW, URL, Clock
+from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.policies.decisions import Rejected
+from tokenweir.policies.limits import KeyLimits, TeamLimits
+
+
+@pytest.fixture
+async def replicas(redis_prefix):
+    clock = Clock()
+    states = [RedisState(URL, prefix=redis_prefix, clock=clock) for _ in range(2)]
+    yield states, clock
+    for s in states:
+        await s.close()
+
+
+async def test_a_settle_on_another_replica_is_a_no_op(replicas):
+    (a, b), _ = replicas
+    limits = TeamLimits(tpm=1000, tokens_per_day=1000, tokens_per_month=5000)
+    res = await a.reserve("t", limits, 100, 500, now=NOW)
+    assert res.headers["x-ratelimit-remaining-tokens"] == "400"
+    twin = copy.copy(res)  # the same hold as another replica would see it
+    await a.settle(res, 100, 50, now=NOW + 1)
+    await b.settle(twin, 100, 400, now=NOW + 1)  # already settled in Redis: changes nothing
+    snap = await b.snapshot("t", now=NOW + 1)
+    assert snap["tokens_last_minute"] == 150
+    assert (snap["day"]["spent"], snap["day"]["reserved"], snap["remaining_day"]) == (150, 0, 850)
+    assert (snap["reserved_tokens"], snap["open_reservations"], snap["remaining_month"]) == (0, 0, 4850)
+
+
+async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_prefix):
+    dead = RedisState(URL, prefix=redis_prefix, lease_s=30)
+    live = RedisState(URL, prefix=redis_prefix, lease_s=30)
+    limits = TeamLimits(tokens_per_day=2000)
+    slow = await dead.reserve("t", limits, 400, 1600, now=NOW)  # not settled within its lease
+    with pytest.raises(Rejected):
+        await live.reserve("t", limits, 1, 1, now=NOW + 10)
+    assert await live.reserve("t", limits, 400, 600, now=NOW + 31)  # the dead hold lapsed and was given back
+    assert (await live.snapshot("t", now=NOW + 31))["open_reservations"] == 1
+    # the "dead" replica was only slow: its late settle still bills what was made, and gives back nothing twice
+    twin = copy.copy(slow)
+    await dead.settle(slow, 400, 300, now=NOW + 40)
+    await live.settle(twin, 400, 300, now=NOW + 40)  # and a second settle is still a no-op
+    snap = await live.snapshot("t", now=NOW + 40)
+    assert (snap["spent_today"], snap["day"]["reserved"], snap["reserved_tokens"]) == (700, 1000, 1000)
+    await dead.close()
+    await live.close()
+
+
+async def test_slots_are_shared_and_leases_lapse(redis_prefix):
+    clock = Clock()
+    a = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
+    b = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
+    assert [await a.acquire_slot("t", 3), await b.acquire_slot("t", 3), await a.acquire_slot("t", 3)] == [True] * 3
+    assert not await b.acquire_slot("t", 3)
+    assert (await a.snapshot("t"))["in_flight"] == 3
+    await a.release_slot("t")
+    assert await b.acquire_slot("t", 3)
+    # a keeps renewing its lease; b "crashes" (never releases, never renews)
+    clock.t += 20
+    await a.renew_leases()
+    clock.t += 15  # b's two leases are past expiry, a's renewed one is not
+    assert (await a.snapshot("t"))["in_flight"] == 1
+    assert await a.acquire_slot("t", 3) and await a.acquire_slot("t", 3)
+    assert not await a.acquire_slot("t", 3)
+    for _ in range(3):
+        await a.release_slot("t")
+    assert (await a.snapshot("t"))["in_flight"] == 0
+    assert await a.acquire_slot("u", None)
+    await a.release_slot("u")
+    with pytest.raises(AssertionError):
+        await a.release_slot("u")
+    await a.close()
+    await b.close()
+
+
+async def test_seed_spend_never_overwrites_live_counters(replicas):
+    (a, b), _ = replicas
+    await a.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)
+    limits = TeamLimits(tokens_per_day=1000)
+    res = await a.reserve("t", limits, 50, 50, now=NOW)
+    await a.settle(res, 50, 50, now=NOW)
+    await b.seed_spend("t", day_tokens=900, month_tokens=9000, now=NOW)  # a replica starting later, stale store
+    snap = await b.snapshot("t", now=NOW)
+    assert (snap["spent_today"], snap["spent_month"], snap["remaining_day"]) == (1000, 9100, 0)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["team", "team+key"])
+@pytest.mark.parametrize("seed", range(3))
+async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
+    """The window and budget arithmetic exists twice: in Lua (gateway/state/redis_lua.py, it runs inside Redis) and
+    once in Python (policies.rate: SlidingWindow, slot_index, oldest_counted_slot, slot_leaves_window_s;
+    policies.budget: Budget, period_bounds; views from policies.snapshot). Random traffic must get the same
+    decisions, headers and counters from both, for a team alone and for a key with limits of its own under it
+    (token and spend budgets)."""
+    rng = random.Random(seed)
+    # holds outlive the run: reaping a dead replica's holds is Redis's alone (tested above), not arithmetic to compare
+    redis_state, memory = RedisState(URL, prefix=redis_prefix, hold_s=3600), InMemoryState()
+    limits = TeamLimits(rpm=40, tpm=3000, tokens_per_day=5000, tokens_per_month=8000, usd_per_month=0.6)
+    # half the requests come with a key whose own limits are tighter in some dimensions: either may say no
+    key_limits = KeyLimits(rpm=10, tpm=2500, tokens_per_day=2000, usd_per_day=0.15)
+    held = []
+    now = NOW
+    for _ in range(120):
+        now += rng.random() * 2
+        if held and rng.random() < 0.4:
+            r1, r2 = held.pop(rng.randrange(len(held)))
+            prompt, completion = rng.randint(0, 50), rng.randint(0, 200)
+            cost = rng.randint(0, 30_000 * 10**9)  # exact femto-USD: its part below a micro-dollar carries too
+            await redis_state.settle(r1, prompt, completion, now=now, cost=cost)
+            await memory.settle(r2, prompt, completion, now=now, cost=cost)
+            continue
+        prompt, max_tokens, cost = rng.randint(1, 80), rng.randint(1, 200), rng.randint(0, 20_000)
+        key = {"key_id": "k", "key_limits": key_limits} if keyed and rng.random() < 0.5 else {}
+        outcomes = []
+        for state in (redis_state, memory):
+            try:
+                outcomes.append(await state.reserve("t", limits, prompt, max_tokens, now=now, cost=cost, **key))
+            except Rejected as err:
+                outcomes.append(err)
+        r1, r2 = outcomes
+        assert type(r1) is type(r2)
+        if isinstance(r1, Rejected):
+            assert (r1.reason, r1.retry_after_s, r1.message) == (r2.reason, r2.retry_after_s, r2.message)
+        else:
+            assert r1.headers == r2.headers
+            held.append((r1, r2))
+    for key_id in ("k", None) if keyed else (None,):
+        a = await redis_state.snapshot("t", now=now, key_id=key_id)
+        b = await memory.snapshot("t", now=now, key_id=key_id)
+        for name in ("reserved_tokens", "open_reservations", "requests_last_minute", "tokens_last_minute"):
+            assert a[name] == b[name], name
+        for name in ("spent", "reserved", "remaining", "overshoot"):
+            for period in ("day", "month", "day_usd", "month_usd"):
+                assert a[period][name] == b[period][name], (key_id, period, name)
+    await redis_state.close()
+
+
+async def test_background_renewal_keeps_live_leases_past_their_first_expiry(redis_prefix):
+    state = RedisState(URL, prefix=redis_prefix, lease_s=0.15)  # real clock; renewed every 50 ms
+    other = RedisState(URL, prefix=redis_prefix, lease_s=0.15)
+    assert await state.acquire_slot("t", 1)
+    await asyncio.sleep(0.35)  # over two leases later the slot is still held: no one else gets it
+    assert not await other.acquire_slot("t", 1)
+    await state.release_slot("t")
+    assert await other.acquire_slot("t", 1)
+    await other.release_slot("t")
+    await state.close()
+    await other.close()

@@ -1,0 +1,1 @@
+"""One behaviour on both stores: SQLite and the real PostgreSQL."""

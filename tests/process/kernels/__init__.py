@@ -1,0 +1,1 @@
+"""Building the CPU kernels in processes that start, die and race."""

@@ -1,0 +1,1 @@
+"""Unit tests: one module or a few in memory, no server, no other process."""

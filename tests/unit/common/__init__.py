@@ -1,0 +1,1 @@
+"""The torch-free contracts both halves share."""

@@ -1,0 +1,1 @@
+"""The attention backend choice and the kernel benchmark's smoke run."""

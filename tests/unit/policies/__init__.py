@@ -1,0 +1,1 @@
+"""The pure decision logic: budgets, caps, pricing, priority, rates, retries, routing."""
