@@ -1,34 +1,97 @@
-"""Gateway overhead benchmark: the fake upstream direct vs through the gateway (all admission on).
+"""Gateway overhead benchmark: the gateway's CPU per request and its added latency, and two commits compared.
 
-    .venv/bin/python loadtests/bench_gateway.py [--requests 400] [--concurrency 1 8 32]
+    .venv/bin/python loadtests/bench_gateway.py                         # every cell, 400 requests, 2 rounds
+    .venv/bin/python loadtests/bench_gateway.py --cells non-stream-1 stream-32 --requests 1000 --rounds 3
+    .venv/bin/python loadtests/bench_gateway.py --compare HEAD~3 --plot /tmp/bench.png --json /tmp/bench.json
+    BENCH_PROFILE=/tmp/gw.prof .venv/bin/python loadtests/bench_gateway.py --cells non-stream-32
+        # then python -m pstats /tmp/gw.prof (the current in-memory gateway; others: /tmp/gw.prof.<side>-<state>)
 
-Three processes: the fake upstream, the gateway (one uvicorn worker; auth, caps, reservation, team semaphore,
-priority queue, JSONL events and metrics all on), and this client. For each mode (non-stream, stream of 20
-chunks) and concurrency it prints req/s, p50/p99 latency direct and through the gateway, the added p50/p99,
-and the gateway's CPU-ms per request (utime+stime from /proc/<pid>/stat over the run). Not a test: numbers
-depend on the machine and on what else runs on it.
+Processes: the fake upstream (loadtests/fake_upstream.py), a gateway per side and state backend
+(loadtests/bench_gateway_runner.py: one worker, `serve`'s own HTTP server where the commit has one; one team with
+rpm, tpm, daily and monthly token budgets, max_concurrency and prompt/output caps and its API key, so every
+admission step runs; JSONL events and metrics on), and this client (httpx). State in memory, or for the redis-*
+cells in Redis (state_url, a fresh key prefix per gateway whose keys are deleted afterwards).
+
+Per cell (non-stream, or a stream of 20 chunks; 1 or 32 concurrent clients) and round: req/s and p50/p99
+latency of the fake upstream direct, then through each side's gateway (each after a short warm-up); the added
+p50 (gateway minus direct, same round); the gateway's CPU-ms per request (utime+stime of its process from
+/proc/<pid>/stat over the run, divided by the requests). The summary gives the medians over the rounds.
+
+--compare REF: the same for REF's gateway code (a `git worktree` of it, imported through a link tree so that the
+editable install cannot slip the current code in: each runner prints where its gateway came from and refuses to
+start otherwise), with the same venv, upstream and client, interleaved per cell and round (direct, current, REF,
+direct, current, REF, ...), and the ratio current/REF of CPU-ms/req. "current" is the working tree as it is,
+uncommitted edits included.
+
+Not a test: the numbers depend on the machine and on whatever else runs on it (the client, the upstream and the
+gateways share its cores; BENCH_PROFILE makes the profiled gateway many times slower). Compare sides within one
+run, with rounds, never against an old printout.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
+import json
 import os
-import signal
+import secrets
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: make `gateway`, `loadtests` importable
-MODEL = "fake-model"
+sys.path.insert(0, str(ROOT))  # run as a script: make `loadtests` importable
+
+from loadtests.bench_gateway_runner import MODEL, checkout_ref, git, remove_checkout  # noqa: E402
+from loadtests.fake_upstream import free_port  # noqa: E402
+
+RUNNER = Path(__file__).with_name("bench_gateway_runner.py")
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CHAT = "/v1/chat/completions"
 PROMPT = [{"role": "user", "content": "Benchmark the gateway overhead with a short prompt."}]
+
+
+@dataclass(frozen=True)
+class Cell:
+    stream: bool
+    concurrency: int
+    state: str  # the gateway's limits state: "memory" (in-process) or "redis" (state_url)
+
+
+CELLS = {
+    "non-stream-1": Cell(False, 1, "memory"),
+    "non-stream-32": Cell(False, 32, "memory"),
+    "stream-1": Cell(True, 1, "memory"),
+    "stream-32": Cell(True, 32, "memory"),
+    "redis-non-stream-1": Cell(False, 1, "redis"),
+    "redis-non-stream-32": Cell(False, 32, "redis"),
+}
+
+
+@dataclass
+class Side:
+    name: str  # what the tables call it: "current" or the REF as given
+    tag: str  # what files and the JSON call it: "current" or "ref"
+    code_root: Path
+    commit: str
+    pythonpath: list[str]
+    gateways: dict[str, dict[str, str]] = field(default_factory=dict)  # state -> what its runner imported
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen
+    url: str
+    key: str = ""
+    redis_prefix: str | None = None
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -38,63 +101,87 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def wait_http(url: str, timeout: float = 60) -> None:
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until `url` answers below 500 (the gateway's /health is 503 until its state is seeded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pid {proc.pid} exited with {proc.returncode} before {url} came up (its output above)")
         try:
             if httpx.get(url, timeout=1).status_code < 500:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+    raise RuntimeError(f"{url} did not come up in {timeout:.0f} s")
 
 
-def run_gateway(upstream_url: str, port: int, workdir: str, key_file: str) -> None:
-    """The gateway process: a store with one fully-limited team, then uvicorn (one worker)."""
-    import uvicorn
+def redis_keys(prefix: str) -> list[str]:
+    import redis
 
-    from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-    from tokenweir.gateway.server.app import create_app
-    from tokenweir.gateway.store.store import Store
-    from tokenweir.policies.limits import TeamLimits
+    with redis.Redis.from_url(REDIS_URL) as r:
+        return [k.decode() for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
 
-    store = Store.open(f"sqlite:///{workdir}/bench.db")
-    limits = TeamLimits(
-        rpm=10_000_000,
-        tpm=10_000_000_000,
-        tokens_per_day=10**12,
-        tokens_per_month=10**13,
-        max_concurrency=10_000,
-        max_prompt_tokens=4096,
-        max_output_tokens=256,
-    )
-    team = store.create_team("bench", limits)
-    secret, _ = store.create_key(team.id, "bench")
-    Path(key_file).write_text(secret)
-    config = GatewayConfig(
-        port=port,
-        pools=[PoolConfig(model=MODEL, upstreams=[UpstreamConfig(upstream_url)], capacity=256, max_queued=10_000)],
-        events=EventsConfig(path=f"{workdir}/events.jsonl"),
-        log_level="warning",
-    )
-    app = create_app(config, store=store)
-    # uvicorn re-raises SIGTERM after its graceful shutdown: turn it into SystemExit so `finally` runs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    profile = os.environ.get("BENCH_PROFILE")  # a path: cProfile the gateway process into it
-    profiler = cProfile.Profile() if profile else None
-    if profiler:
-        profiler.enable()
+
+def delete_redis_keys(prefix: str) -> int:
+    """Deletes the keys under `prefix` (a fresh random one, checked unused before its gateway started)."""
+    import redis
+
+    keys = redis_keys(prefix)
+    with redis.Redis.from_url(REDIS_URL) as r:
+        for i in range(0, len(keys), 500):
+            r.delete(*keys[i : i + 500])
+    return len(keys)
+
+
+def start_gateway(side: Side, state: str, upstream: str, work: Path, profile: str | None) -> Gateway:
+    """The side's gateway, verified: its runner checked where the code came from; one request is served."""
+    gwdir = work / f"{side.tag}-{state}"
+    gwdir.mkdir()
+    port = free_port()
+    cmd = [sys.executable, str(RUNNER), "--code-root", str(side.code_root), "--upstream", upstream]
+    cmd += ["--port", str(port), "--workdir", str(gwdir), "--info", str(gwdir / "info.json"), "--label", side.name]
+    prefix = f"twbench-{secrets.token_hex(6)}" if state == "redis" else None
+    if prefix:
+        if redis_keys(prefix):
+            raise RuntimeError(f"Redis already holds keys under {prefix}: not fresh")
+        cmd += ["--state-url", REDIS_URL, "--redis-prefix", prefix]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BENCH_PROFILE")}
+    if side.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(side.pythonpath)
+    if profile:
+        plain = side.tag == "current" and state == "memory"
+        env["BENCH_PROFILE"] = profile if plain else f"{profile}.{side.tag}-{state}"
+    gw = Gateway(subprocess.Popen(cmd, env=env, cwd=gwdir), f"http://127.0.0.1:{port}", redis_prefix=prefix)
     try:
-        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    finally:
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(profile)
+        wait_http(gw.url + "/health", gw.proc)
+        info = json.loads((gwdir / "info.json").read_text())
+        gw.key = info.pop("key")
+        side.gateways[state] = info
+        asyncio.run(load(gw.url + CHAT, {"authorization": f"Bearer {gw.key}"}, CELLS["non-stream-1"], 1))
+        if prefix and not redis_keys(prefix):
+            raise RuntimeError(f"{side.name}: a request was served but Redis holds nothing under {prefix}")
+    except BaseException:
+        stop_gateway(gw)
+        raise
+    return gw
 
 
-async def load(url: str, headers: dict, body: dict, stream: bool, concurrency: int, n: int) -> tuple[list, float]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+def stop_gateway(gw: Gateway) -> None:
+    gw.proc.terminate()
+    try:
+        gw.proc.wait(timeout=45)  # serve's server waits up to shutdown_grace_s for requests in flight
+    except subprocess.TimeoutExpired:
+        gw.proc.kill()
+        gw.proc.wait()
+    if gw.redis_prefix:
+        print(f"deleted {delete_redis_keys(gw.redis_prefix)} Redis keys under {gw.redis_prefix}", flush=True)
+
+
+async def load(url: str, headers: dict[str, str], cell: Cell, n: int) -> tuple[list[float], float]:
+    """`n` requests from `cell.concurrency` clients: (latencies in s, wall time in s)."""
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 20, "stream": cell.stream, "fake": {"tokens": 20}}
+    limits = httpx.Limits(max_connections=cell.concurrency, max_keepalive_connections=cell.concurrency)
     latencies: list[float] = []
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
         todo = iter(range(n))
@@ -102,7 +189,7 @@ async def load(url: str, headers: dict, body: dict, stream: bool, concurrency: i
         async def worker() -> None:
             for _ in todo:
                 t0 = time.perf_counter()
-                if stream:
+                if cell.stream:
                     async with client.stream("POST", url, json=body, headers=headers) as r:
                         async for _ in r.aiter_raw():
                             pass
@@ -113,74 +200,192 @@ async def load(url: str, headers: dict, body: dict, stream: bool, concurrency: i
                 latencies.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(cell.concurrency)))
         return latencies, time.perf_counter() - t0
 
 
-def pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else xs[0] * 1000
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=400, help="per cell (after a warm-up)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--mode", choices=["both", "non-stream", "stream"], default="both")
-    p.add_argument("--gateway", nargs=4, help=argparse.SUPPRESS)  # internal: run the gateway process
-    args = p.parse_args()
-    if args.gateway:
-        return run_gateway(args.gateway[0], int(args.gateway[1]), args.gateway[2], args.gateway[3])
+def measure(url: str, headers: dict[str, str], cell: Cell, n: int, pid: int | None = None) -> dict[str, float]:
+    """One run after a warm-up; with `pid`, that process's CPU over the run."""
+    asyncio.run(load(url, headers, cell, max(20, 2 * cell.concurrency)))  # connections, the gateway's caches
+    cpu0 = cpu_seconds(pid) if pid else (0.0, 0.0)
+    latencies, wall = asyncio.run(load(url, headers, cell, n))
+    result = {"rps": n / wall, "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99)}
+    if pid:
+        user, system = ((b - a) * 1000 / n for a, b in zip(cpu0, cpu_seconds(pid), strict=True))
+        result |= {"cpu_ms": user + system, "user_ms": user, "sys_ms": system}
+    return result
 
-    from loadtests.fake_upstream import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    up_port, gw_port = free_port(), free_port()
-    work = tempfile.mkdtemp(prefix="twbench-")
-    key_file = f"{work}/key"
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "loadtests.fake_upstream", "--port", str(up_port)], env=env),
-    ]
-    upstream = f"http://127.0.0.1:{up_port}"
-    try:
-        wait_http(upstream + "/health")
-        gw = subprocess.Popen(
-            [sys.executable, __file__, "--gateway", upstream, str(gw_port), work, key_file], env=env, cwd=ROOT
-        )
-        procs.append(gw)
-        gateway = f"http://127.0.0.1:{gw_port}"
-        wait_http(gateway + "/health")
-        key = Path(key_file).read_text()
-        print(f"fake upstream {upstream}, gateway {gateway} (pid {gw.pid}), {args.requests} requests per cell")
+def run_cell(name: str, rounds: int, n: int, upstream: str, sides: list[Side], gws: dict[str, Gateway]) -> list:
+    """Rounds of direct, then each side in turn: drift on the machine hits every side alike."""
+    cell, records = CELLS[name], []
+    for rnd in range(1, rounds + 1):
+        direct = measure(upstream + CHAT, {}, cell, n)
+        records.append({"cell": name, "round": rnd, "side": "direct", **direct})
+        progress(name, rnd, "direct", direct)
+        for side in sides:
+            gw = gws[side.tag]
+            m = measure(gw.url + CHAT, {"authorization": f"Bearer {gw.key}"}, cell, n, gw.proc.pid)
+            m["added_p50_ms"] = m["p50_ms"] - direct["p50_ms"]
+            records.append({"cell": name, "round": rnd, "side": side.tag, **m})
+            progress(name, rnd, side.name, m)
+    return records
+
+
+def progress(cell: str, rnd: int, side: str, m: dict[str, float]) -> None:
+    line = f"{cell:<20} r{rnd} {side[:12]:<12} {m['rps']:>7.0f} r/s  p50 {m['p50_ms']:>7.2f}  p99 {m['p99_ms']:>7.2f}"
+    if "cpu_ms" in m:
+        line += f"  added p50 {m['added_p50_ms']:>6.2f}  CPU-ms/req {m['cpu_ms']:>6.3f}"
+        line += f" ({m['user_ms']:.3f}+{m['sys_ms']:.3f})"
+    print(line, flush=True)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """cell -> side (direct, current, ref) -> the median over the rounds of each number."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for r in records:
+        out.setdefault(r["cell"], {}).setdefault(r["side"], {})
+    for cell, sides in out.items():
+        for side in sides:
+            rows = [r for r in records if r["cell"] == cell and r["side"] == side]
+            keys = [k for k in rows[0] if k not in ("cell", "round", "side")]
+            sides[side] = {k: statistics.median(r[k] for r in rows) for k in keys}
+    return out
+
+
+def print_summary(summary: dict[str, dict[str, dict[str, float]]], sides: list[Side], rounds: int) -> None:
+    print(f"\nsummary: medians of {rounds} round(s); ms; added = through the gateway minus direct, same round")
+    if len(sides) == 1:
         header = (
-            f"{'mode':<10} {'conc':>4} | {'direct r/s':>10} {'p50':>7} {'p99':>7} | {'gw r/s':>8} {'p50':>7} "
-            f"{'p99':>7} | {'added p50':>9} {'p99':>7} | gw CPU-ms/req (user+sys)"
+            f"{'cell':<20} | {'direct r/s':>10} {'p50':>7} {'p99':>7} | {'gw r/s':>8} {'p50':>7} {'p99':>7} | "
+            f"{'added p50':>9} | gw CPU-ms/req (user+sys)"
         )
         print(header + "\n" + "-" * len(header))
-        for stream in {"both": (False, True), "non-stream": (False,), "stream": (True,)}[args.mode]:
-            body = {"model": MODEL, "messages": PROMPT, "max_tokens": 20, "stream": stream, "fake": {"tokens": 20}}
-            for conc in args.concurrency:
-                direct_url = upstream + "/v1/chat/completions"
-                gw_url = gateway + "/v1/chat/completions"
-                auth = {"authorization": f"Bearer {key}"}
-                asyncio.run(load(direct_url, {}, body, stream, conc, 50))
-                asyncio.run(load(gw_url, auth, body, stream, conc, 50))  # warm: connections, caches
-                d_lat, d_wall = asyncio.run(load(direct_url, {}, body, stream, conc, args.requests))
-                cpu0 = cpu_seconds(gw.pid)
-                g_lat, g_wall = asyncio.run(load(gw_url, auth, body, stream, conc, args.requests))
-                cpu1 = cpu_seconds(gw.pid)
-                user_ms, sys_ms = ((b - a) * 1000 / args.requests for a, b in zip(cpu0, cpu1, strict=True))
-                d50, d99, g50, g99 = pct(d_lat, 50), pct(d_lat, 99), pct(g_lat, 50), pct(g_lat, 99)
-                print(
-                    f"{'stream' if stream else 'non-stream':<10} {conc:>4} | {args.requests / d_wall:>10.0f} "
-                    f"{d50:>7.2f} {d99:>7.2f} | {args.requests / g_wall:>8.0f} {g50:>7.2f} {g99:>7.2f} | "
-                    f"{g50 - d50:>9.2f} {g99 - d99:>7.2f} | {user_ms + sys_ms:>6.2f} ({user_ms:.2f}+{sys_ms:.2f})",
-                    flush=True,
-                )
-        print("ms; added = through the gateway minus direct; CPU: /proc/<gateway pid>/stat utime+stime")
+        for cell, by in summary.items():
+            d, g = by["direct"], by["current"]
+            print(
+                f"{cell:<20} | {d['rps']:>10.0f} {d['p50_ms']:>7.2f} {d['p99_ms']:>7.2f} | {g['rps']:>8.0f} "
+                f"{g['p50_ms']:>7.2f} {g['p99_ms']:>7.2f} | {g['added_p50_ms']:>9.2f} | "
+                f"{g['cpu_ms']:>6.3f} ({g['user_ms']:.3f}+{g['sys_ms']:.3f})"
+            )
+        return
+    ref = sides[1].name[:10]
+    header = (
+        f"{'cell':<20} | CPU-ms/req {'current':>8} {ref:>10} {'cur/ref':>7} | added p50 {'current':>8} {ref:>10} | "
+        f"gw r/s {'current':>8} {ref:>10} | {'direct p50':>10}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for cell, by in summary.items():
+        c, r, d = by["current"], by["ref"], by["direct"]
+        ratio = c["cpu_ms"] / r["cpu_ms"] if r["cpu_ms"] else float("nan")
+        print(
+            f"{cell:<20} | {'':10} {c['cpu_ms']:>8.3f} {r['cpu_ms']:>10.3f} {ratio:>7.2f} | {'':9} "
+            f"{c['added_p50_ms']:>8.2f} {r['added_p50_ms']:>10.2f} | {'':6} {c['rps']:>8.0f} {r['rps']:>10.0f} | "
+            f"{d['p50_ms']:>10.2f}"
+        )
+
+
+def plot(path: str, summary: dict[str, dict[str, dict[str, float]]], sides: list[Side], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(summary)
+    width = 0.8 / len(sides)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cells)), 4.5))
+    for i, side in enumerate(sides):
+        xs = [x + (i - (len(sides) - 1) / 2) * width for x in range(len(cells))]
+        values = [summary[c][side.tag]["cpu_ms"] for c in cells]
+        bars = ax.bar(xs, values, width, label=f"{side.name} ({side.commit})")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(cells)), cells, rotation=20, ha="right")
+    ax.set_ylabel("gateway CPU-ms / request (user+sys)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def current_commit() -> str:
+    """HEAD, marked +dirty when the packages the gateway runs have uncommitted edits (they are measured too)."""
+    dirty = git(ROOT, "status", "--porcelain", "--", "gateway", "policies", "common")
+    return git(ROOT, "rev-parse", "--short=12", "HEAD") + ("+dirty" if dirty else "")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS), help="default: all")
+    p.add_argument("--requests", type=int, default=400, help="per cell, side and round (after a warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell; the medians are reported")
+    p.add_argument("--compare", metavar="REF", help="a git commit-ish whose gateway runs against the current one")
+    p.add_argument("--plot", metavar="PATH", help="a bar chart of CPU-ms/req per cell (PNG, SVG, ...)")
+    p.add_argument("--json", metavar="PATH", help="the raw numbers of every run, and the summary")
+    args = p.parse_args()
+    if args.requests < 2 or args.rounds < 1:
+        p.error("--requests >= 2 and --rounds >= 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    profile = os.environ.get("BENCH_PROFILE")
+    work = Path(tempfile.mkdtemp(prefix="twbench-"))
+    ref_tmp = work / "ref"
+    sides = [Side("current", "current", ROOT, current_commit(), [])]
+    procs: list[subprocess.Popen] = []
+    try:
+        if args.compare:
+            sha, tree, path = checkout_ref(ROOT, args.compare, ref_tmp)
+            sides.append(Side(args.compare, "ref", tree, sha[:12], path))
+        up_port = free_port()
+        cmd = [sys.executable, "-m", "loadtests.fake_upstream", "--port", str(up_port)]
+        procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT))
+        upstream = f"http://127.0.0.1:{up_port}"
+        wait_http(upstream + "/health", procs[0])
+        for side in sides:
+            print(f"side {side.name}: {side.commit} at {side.code_root}, PYTHONPATH={side.pythonpath or '(none)'}")
+        print(f"{args.requests} requests per cell, side and round; {args.rounds} round(s); cells: {args.cells}")
+        records: list[dict[str, Any]] = []
+        for state in ("memory", "redis"):
+            names = [n for n in args.cells if CELLS[n].state == state]
+            gateways: dict[str, Gateway] = {}
+            try:
+                for side in sides if names else []:
+                    gateways[side.tag] = start_gateway(side, state, upstream, work, profile)
+                for name in names:
+                    records += run_cell(name, args.rounds, args.requests, upstream, sides, gateways)
+            finally:
+                for gw in gateways.values():
+                    stop_gateway(gw)
+        summary = summarize(records)
+        print_summary(summary, sides, args.rounds)
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        print(
+            f"CPU: /proc/<gateway pid>/stat utime+stime over the run / requests, counted in {tick_ms:g} ms clock ticks "
+            f"(a resolution of {tick_ms / args.requests:.3f} ms/req here); noisy machine: compare within one run"
+        )
+        title = f"gateway CPU per request, {args.requests} requests x {args.rounds} round(s), medians"
+        if args.plot:
+            plot(args.plot, summary, sides, title)
+        if args.json:
+            meta = {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "time": time.time()}
+            sides_out = [{k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items()} for s in sides]
+            out = {"args": vars(args), "machine": meta, "sides": sides_out, "records": records, "summary": summary}
+            Path(args.json).write_text(json.dumps(out, indent=1))
+            print(f"json: {args.json}")
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+        if (ref_tmp / "worktree").exists():
+            remove_checkout(ROOT, ref_tmp / "worktree")
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
