@@ -42,7 +42,7 @@ from tokenweir.gateway.request.inflight import recover
 from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
-from tokenweir.gateway.server.services import Services, get_services
+from tokenweir.gateway.server.services import Services, services_of
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
@@ -258,7 +258,7 @@ def finish_unadmitted(request: Request, err: APIError) -> None:
     kind = PATH_KINDS.get(request.url.path)
     scope = request_scope(request)
     if kind is not None and not scope.accounted:
-        get_services(request).admission.settler.finish_unadmitted(scope, kind, err)
+        services_of(request).admission.settler.finish_unadmitted(scope, kind, err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):

@@ -56,8 +56,14 @@ class Services:
         return services
 
 
-def get_services(conn: HTTPConnection) -> Services:
-    """FastAPI dependency: the app's services (the one place that reads app.state)."""
+def services_of(conn: HTTPConnection) -> Services:
+    """The app's services (the one place that reads app.state)."""
+    return conn.app.state.services
+
+
+async def get_services(conn: HTTPConnection) -> Services:
+    """FastAPI dependency: `services_of`. Async because FastAPI runs a sync dependency in its thread pool: a thread
+    hop on every request for one attribute read."""
     return conn.app.state.services
 
 
