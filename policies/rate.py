@@ -96,7 +96,7 @@ class SlidingWindow:
         assert n >= 0
         self._expire(now)
         slot = self._slot(taken_at)
-        for entry in self._counts:
+        for entry in reversed(self._counts):  # newest first: a refund is almost always for a request just taken
             if entry[0] == slot:
                 back = min(n, entry[1])
                 entry[1] -= back
