@@ -1,16 +1,24 @@
 """JSONL request events: exactly one line per request, written after settle, to a size-rotated file.
 
-The event log is the write-ahead record of usage. `emit()` appends the line to the file at once (one `write` on
-an O_APPEND descriptor, microseconds), so a process killed a moment later has already put it in the OS's hands;
-a background task fsyncs every `flush_interval_s`, bounding what a power loss could take. Each line carries a
-`seq`, increasing per writer: usage rows in the store record the last seq they include, and start-up replays
-the events after it (`replay_after`), so a crash between an event and the next usage flush loses no bill.
-The file rotates `events.jsonl -> .1 -> .2 ...` past `max_bytes`, always between lines.
+The event log is the write-ahead record of usage. A request's line is in the OS's hands (a `write` on an O_APPEND
+descriptor) before its answer is completed, so a process killed a moment later has lost no bill; a background task
+fsyncs every `flush_interval_s`, bounding what a power loss could take. Each line carries a `seq`, increasing per
+writer and in file order: usage rows in the store record the last seq they include, and start-up replays the events
+after it (`replay_after`), so a crash between an event and the next usage flush loses no bill. The file rotates
+`events.jsonl -> .1 -> .2 ...` past `max_bytes`, always between lines.
+
+Group commit: `await commit(event)` returns the line's seq once the line is written. The first line of a loop
+iteration is written at once (a request alone waits for nothing: no timer, no waiting for company) and opens a
+batch: the lines committed after it in the same iteration join the batch, written with one `write` by a callback
+queued (`call_soon`) at the end of that iteration, and their commits return then. `emit(event)` is the synchronous
+form, for the rare caller that cannot await (a request refused before admission): it writes at once, the open batch
+before its own line, so seqs stay in file order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -58,42 +66,71 @@ FIELDS = (
 
 
 class EventWriter:
+    """The event file of one process. Lines are written on the event loop, not in a thread: measured here (Python
+    3.11, page cache), one `write` of a batch costs ~2 us of CPU for one line and ~20 us for 32 lines of ~700 bytes,
+    while handing it to a thread (`asyncio.to_thread`) costs ~45-70 us of CPU and ~100-130 us of wall time per
+    batch: the hand-off would cost more than the write it takes off the loop, and the CPU per request is what the
+    gateway's budget counts. Every call but the fsync is made from the loop's thread; the lock keeps the fsync
+    thread off a descriptor that a rotation closes.
+
+    Measured in a micro A/B (the same lines, requests finishing over a few loop iterations, one write per line vs
+    this): at 32 concurrent requests ~2.7 lines per write for the same CPU per request (within 1 us); alone, ~1 us
+    more (the queued callback). A line's write costs ~1-2 us: group commit saves syscalls and file-lock hand-offs,
+    not CPU that can be measured at this size of line."""
+
     def __init__(self, path: str | Path, max_bytes: int = 64 << 20, backups: int = 5, flush_interval_s=0.5):
         self.path = Path(path)
         self.max_bytes, self.backups, self.flush_interval_s = max_bytes, backups, flush_interval_s
-        self._lock = threading.Lock()  # emit (event loop) vs fsync (a thread)
+        self._lock = threading.Lock()  # writes and rotation (event loop) vs fsync (a thread)
         self._fd: int | None = None
         self._size = 0
         self._dirty = False
         self._task: asyncio.Task | None = None
-        self.seq = 0  # of the last line written
+        self._batch: list[bytes] = []  # the open batch's lines, in seq order (written at the iteration's end)
+        self._waiters: list[asyncio.Future[None]] = []  # one per commit in the open batch: each caller's own, so
+        # that a caller cancelled while it waits cancels nobody else's wait
+        # The loop on which a callback that writes the open batch is queued (a loop, not a flag: one that stopped
+        # before running it must not keep a later loop's commits from scheduling their own)
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None
+        self.seq = 0  # of the last line put in a batch
         self.written = 0  # lines written since start, for tests and /metrics
+        self.writes = 0  # batches written (a `write` each, two across a rotation): written / writes = batch size
 
     def open(self, after_seq: int = 0) -> None:
         """Open for appending; seqs continue after `after_seq` and after every line already in the files."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.seq = max(after_seq, last_seq(self.path, self.backups))
         self._reopen()
+        assert self._fd is not None  # just opened
+        if self._size and not _ends_a_line(self.path):
+            # A batch torn by a kill mid-write: end its fragment, so that the next line is not glued onto it (the
+            # reader skips the fragment; a glued line would be skipped with it, and its bill lost).
+            os.write(self._fd, b"\n")
+            self._size += 1
+
+    async def commit(self, event: dict) -> int:
+        """Write one event line, at once or with this loop iteration's batch; returns its seq once the line is
+        written (in the OS's hands). A write that fails (a full disk) raises here, for every line of its batch. A
+        caller cancelled while it waits stops waiting, but its line is written with the batch all the same."""
+        seq = self._enqueue(event)
+        loop = asyncio.get_running_loop()
+        if self._scheduled_on is not loop:
+            # The first line of this loop iteration: no batch is open, so it is a batch of one, written now (an idle
+            # request waits for nothing); the lines that follow in this iteration share one write at its end.
+            self._scheduled_on = loop
+            loop.call_soon(self._write_scheduled)
+            self._write_batch()
+            return seq
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        await waiter
+        return seq
 
     def emit(self, event: dict) -> int:
-        """Write one event line now; returns its seq."""
-        line = {k: event.get(k) for k in FIELDS}
-        if line["ts"] is None:
-            line["ts"] = time.time()
-        with self._lock:
-            if self._fd is None:
-                self.open()
-            self.seq += 1
-            line["seq"] = self.seq
-            data = orjson.dumps(line) + b"\n"
-            if self._size and self._size + len(data) > self.max_bytes:
-                self._rotate()
-            assert self._fd is not None  # opened above if it was not; a rotation reopens it
-            os.write(self._fd, data)
-            self._size += len(data)
-            self._dirty = True
-            self.written += 1
-            return self.seq
+        """Write one event line now, after the open batch (for a caller that cannot await); returns its seq."""
+        seq = self._enqueue(event)
+        self._write_batch()
+        return seq
 
     async def start(self) -> None:
         if self._fd is None:
@@ -101,7 +138,8 @@ class EventWriter:
         self._task = asyncio.create_task(self._sync_forever())
 
     async def flush(self) -> None:
-        """fsync what was written (the lines are in the file already)."""
+        """fsync what was committed (the open batch is written first, as the end of this iteration would)."""
+        self._write_batch_quietly()
         await asyncio.to_thread(self._fsync)
 
     async def close(self) -> None:
@@ -109,11 +147,72 @@ class EventWriter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self._write_batch_quietly()
         self._fsync()
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def _enqueue(self, event: dict) -> int:
+        line = {k: event.get(k) for k in FIELDS}
+        if line["ts"] is None:
+            line["ts"] = time.time()
+        if self._fd is None:  # opened here, before a seq is given: opening reads the last seq of the files
+            with self._lock:
+                self.open()
+        self.seq += 1
+        line["seq"] = self.seq
+        self._batch.append(orjson.dumps(line) + b"\n")
+        return self.seq
+
+    def _write_scheduled(self) -> None:
+        self._scheduled_on = None
+        self._write_batch_quietly()
+
+    def _write_batch_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # raised to every committer of the batch, who logs it with its request
+            self._write_batch()
+
+    def _write_batch(self) -> None:
+        """Write the open batch (one `write`, two across a rotation), then release its committers."""
+        lines, waiters = self._batch, self._waiters
+        if not lines:
+            return
+        self._batch, self._waiters = [], []
+        try:
+            with self._lock:
+                self._write_lines(lines)
+        except Exception as e:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(e)
+            raise
+        for waiter in waiters:
+            if not waiter.done():  # done: its caller was cancelled meanwhile
+                waiter.set_result(None)
+
+    def _write_lines(self, lines: list[bytes]) -> None:
+        start, size = 0, self._size
+        for i, data in enumerate(lines):
+            if size and size + len(data) > self.max_bytes:  # rotate between lines, as one line at a time would
+                if i > start:
+                    self._write_out(lines[start:i])
+                self._rotate()
+                start, size = i, 0
+            size += len(data)
+        self._write_out(lines[start:])
+
+    def _write_out(self, lines: list[bytes]) -> None:
+        assert self._fd is not None  # opened when its first line was enqueued; a rotation reopens it
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        self._dirty = True
+        done = os.write(self._fd, data)
+        while done < len(data):  # a short write (a full disk, a signal): the rest, or the error that stopped it
+            done += os.write(self._fd, data[done:])
+        self._size += len(data)
+        self.written += len(lines)
+        self.writes += 1
 
     async def _sync_forever(self) -> None:
         while True:
@@ -138,7 +237,7 @@ class EventWriter:
         self._size = os.fstat(self._fd).st_size
 
     def _rotate(self) -> None:
-        assert self._fd is not None  # emit rotates the file it has open
+        assert self._fd is not None  # a batch rotates the file it has open
         os.fsync(self._fd)
         if self.backups <= 0:
             self.path.unlink(missing_ok=True)
@@ -149,6 +248,12 @@ class EventWriter:
                     os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         self._reopen()
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _files_oldest_first(path: Path, backups: int) -> list[Path]:

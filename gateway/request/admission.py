@@ -2,6 +2,9 @@
 
     new_context -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch
 
+(reserve takes the concurrency slot too, in the same state call: one round trip on a shared state; take_slot
+refuses the request whose slot was full.)
+
 Every step either passes or raises an APIError whose `code` is the event's `reason` (a step that knows better
 decides the outcome itself first: gateway/request/outcome.py). The RequestContext is made by
 gateway/request/context.py, prompts are counted by gateway/openai/token_count.py; what comes after admission lives in
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -37,14 +41,15 @@ from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
-from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
+from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
-from tokenweir.gateway.upstream.http1 import HTTP1Pool
+from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.caps import apply_caps
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.pricing import max_cost_over
+from tokenweir.policies.reservation import Reservation
 
 log = get_logger()
 
@@ -60,7 +65,7 @@ class Admission:
         upstreams: Upstreams,
         state: StateBackend,
         queues: dict,
-        client: HTTP1Pool,
+        client: UpstreamClient,
         events: EventWriter,
         metrics: Metrics,
         usage,
@@ -94,7 +99,7 @@ class Admission:
             self.count_prompt(ctx)
             self.apply_caps(ctx)
             await self.reserve(ctx)
-            await self.take_slot(ctx)
+            self.take_slot(ctx)
             await self.enter_queue(ctx)
             return await self.dispatcher.dispatch(ctx, end)
         except APIError as e:
@@ -220,23 +225,47 @@ class Admission:
         # The key is a second subject of the same atomic reserve (the tighter wins); a key without limits is counted
         # too, so a limit set later applies to what it spent.
         key: dict[str, Any] = {"key_id": ctx.key_id, "key_limits": ctx.key_limits, "cost": ctx.cost_reserved}
+        # The concurrency slot is taken in the same call, if the reservation is (a full slot leaves it taken: the
+        # request is then refused, and its end gives it back).
+        key["lease"] = lease = self.lease_for(ctx)
         try:
             try:
                 if not self.state_ready:
                     raise StateUnavailable("the shared state is not seeded yet")
-                reserve = self.state.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
-                ctx.reservation = await self.settler.take(reserve, lambda r: self.state.settle(r, 0, 0), ctx)
+                # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
+                self.settler.journal.slot(ctx, lease_id=lease.lease_id, key_id=lease.key_id)
+                admit = self.state.reserve_and_acquire(
+                    ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key
+                )
+                taken = await self.settler.take(admit, lambda admitted: self.give_back(admitted, lease), ctx)
+                ctx.reservation, got = taken
             except StateUnavailable as e:
                 self.settler.defer(e)
                 if self.local is None:
                     raise self.state_unavailable(e) from None
                 log.warning("state_unavailable_fail_open", error=str(e))
                 ctx.local_state = True
-                local = self.local.reserve(ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key)
-                ctx.reservation = await local
+                local = self.local.reserve_and_acquire(
+                    ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key
+                )
+                ctx.reservation, got = await local
         except Rejected as r:
             raise _api_error(r) from None
         self.settler.journal.reserved(ctx)  # a restart after this process dies settles it (gateway/request/inflight.py)
+        if got:
+            ctx.slot, ctx.slot_key_id, ctx.slot_lease = True, lease.key_id, lease.lease_id
+
+    @staticmethod
+    def lease_for(ctx: RequestContext) -> Lease:
+        """The request's concurrency lease: the team's slot, and the key's own where the key has a cap."""
+        key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
+        key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
+        return Lease(uuid.uuid4().hex, key_id, ctx.limits.max_concurrency, key_max)
+
+    def give_back(self, taken: tuple[Reservation, bool], lease: Lease) -> Awaitable[Reservation]:
+        """Undo a reserve_and_acquire whose caller left: the hold settled at nothing, the lease back if it was taken."""
+        reservation, got = taken
+        return self.state.settle_and_release(reservation, 0, 0, lease=lease if got else None)
 
     def state_unavailable(self, err: Exception) -> APIError:
         log.warning("state_unavailable", error=str(err))
@@ -248,21 +277,10 @@ class Admission:
             headers={"retry-after": str(retry)},
         )
 
-    async def take_slot(self, ctx: RequestContext) -> None:
-        state = self.local if ctx.local_state else self.state
-        assert state is not None  # admitted under local limits only where there are some
+    def take_slot(self, ctx: RequestContext) -> None:
+        """Refuse the request whose concurrency slot was full when its reservation was taken."""
         key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
-        key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
-        try:
-            # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
-            lease: dict[str, Any] = {"key_id": key_id, "lease_id": uuid.uuid4().hex}
-            self.settler.journal.slot(ctx, **lease)
-            acquire = state.acquire_slot(ctx.team_id, ctx.limits.max_concurrency, key_max=key_max, **lease)
-            got = await self.settler.take(acquire, lambda _: state.release_slot(ctx.team_id, **lease), ctx)
-        except StateUnavailable as e:
-            self.settler.defer(e)
-            raise self.state_unavailable(e) from None
-        if not got:
+        if not ctx.slot:
             team_max = ctx.limits.max_concurrency
             whose = "this API key" if key_max is not None and (team_max is None or key_max <= team_max) else "your team"
             most = key_max if whose == "this API key" else team_max
@@ -272,7 +290,6 @@ class Admission:
                 "concurrency",
                 headers={"retry-after": "1"},
             )
-        ctx.slot, ctx.slot_key_id, ctx.slot_lease = True, key_id, lease["lease_id"]
 
     async def enter_queue(self, ctx: RequestContext) -> None:
         timeout = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s

@@ -25,13 +25,13 @@ from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
-from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
 
 
 class Dispatcher:
     def __init__(
-        self, config: GatewayConfig, upstreams: Upstreams, client: HTTP1Pool, metrics: Metrics, settler: Settler
+        self, config: GatewayConfig, upstreams: Upstreams, client: UpstreamClient, metrics: Metrics, settler: Settler
     ) -> None:
         self.config, self.upstreams, self.client, self.metrics, self.settler = (
             config,

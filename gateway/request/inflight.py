@@ -34,7 +34,7 @@ from tokenweir.common.logging import get_logger
 from tokenweir.gateway.request.context import RequestContext, RequestRecord
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.state.backend import StateUnavailable
-from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
+from tokenweir.gateway.upstream.client import UpstreamClient, request_json
 
 if TYPE_CHECKING:
     from tokenweir.gateway.request.settle import Settler
@@ -181,7 +181,7 @@ async def recover(
     settler: Settler,
     state,
     outbox: StateOutbox | None,
-    client: HTTP1Pool,
+    client: UpstreamClient,
     upstreams: Upstreams,
     billed: set[str],
 ) -> int:
@@ -237,11 +237,11 @@ async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstre
     if prompt is None:
         return 0
     assert completion is not None  # None only together with prompt
-    settler.record(ctx, ts, prompt, completion, 0, cost)
+    await settler.record(ctx, ts, prompt, completion, 0, cost)
     return 1
 
 
-async def _made(u: Unfinished, client: HTTP1Pool, upstreams: Upstreams) -> tuple[int, int, str | None]:
+async def _made(u: Unfinished, client: UpstreamClient, upstreams: Upstreams) -> tuple[int, int, str | None]:
     """What the request's attempts made: our engine says exactly (it remembers the usage of requests it finished);
     an attempt it cannot answer for, or an external last one, is billed at the reservation's bound."""
     assert u.res is not None  # _settle asks only for a request that took a reservation
@@ -265,7 +265,7 @@ async def _made(u: Unfinished, client: HTTP1Pool, upstreams: Upstreams) -> tuple
     return prompt, completion, source
 
 
-async def _abort(client: HTTP1Pool, upstreams: Upstreams, hop: dict) -> dict | None:
+async def _abort(client: UpstreamClient, upstreams: Upstreams, hop: dict) -> dict | None:
     """POST /abort to the instance the attempt went to, with that instance's credentials from the config (never
     from the journal: no secret is written there)."""
     headers = {"content-type": "application/json"}

@@ -1,11 +1,11 @@
 """Talking to one upstream hop over HTTP: non-stream calls, SSE streams, and the engine's /abort.
 
-One shared keep-alive pool (`gateway.upstream.http1`, a lean HTTP/1.1 client: httpx cost more CPU than the rest of
-the gateway on this path). Failures before the first byte raise `UpstreamFailed` (the caller
-tries the next hop) or `UpstreamRejected` (a 4xx: the client's fault, passed through). Deadlines are
-`loop.time()` instants applied with `asyncio.timeout_at`, so one deadline covers connect, headers and body.
-An open stream is a `HopStream` (its body and what its chunks said), which the request's end closes; the client
-gets it through `StreamResponse`, which hands the request's end back when its body is over.
+One shared keep-alive pool (`gateway.upstream.client`: aiohttp's client; httpx cost more CPU than the rest of the
+gateway on this path). Failures before the first byte raise `UpstreamFailed` (the caller tries the next hop) or
+`UpstreamRejected` (a 4xx: the client's fault, passed through). Deadlines are `loop.time()` instants applied with
+`asyncio.timeout_at`, so one deadline covers connect, headers and body. An open stream is a `HopStream` (its body
+and what its chunks said), which the request's end closes; the client gets it through `StreamResponse`, which hands
+the request's end back when its body is over.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from starlette.types import Send
 from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
-from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError, request_json
-from tokenweir.gateway.upstream.http1 import Response as UpstreamResponse
+from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient, request_json
+from tokenweir.gateway.upstream.client import Response as UpstreamResponse
 from tokenweir.gateway.upstream.pools import Hop
 
 log = get_logger()
@@ -95,9 +95,9 @@ def failure_reason(status: int) -> str:
     return f"HTTP {status}"
 
 
-def make_client(connect_s: float = 5.0) -> HTTP1Pool:
+def make_client(connect_s: float = 5.0) -> UpstreamClient:
     # No read timeout of its own: our deadlines bound reads (a long stream may pause between tokens).
-    return HTTP1Pool(connect_timeout_s=connect_s)
+    return UpstreamClient(connect_timeout_s=connect_s)
 
 
 def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tuple[str, bytes, dict]:
@@ -114,7 +114,7 @@ def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tup
     return inst.cfg.base_url, orjson.dumps(out), headers
 
 
-async def call_json(client: HTTP1Pool, hop: Hop, path: str, body: dict, request_id: str, deadline: float):
+async def call_json(client: UpstreamClient, hop: Hop, path: str, body: dict, request_id: str, deadline: float):
     """Non-stream request -> (parsed JSON, raw body). TimeoutError past the deadline."""
     base, content, headers = upstream_request(hop, body, request_id, stream=False)
     async with asyncio.timeout_at(deadline):
@@ -203,7 +203,7 @@ class HopStream:
 
 
 async def open_stream(
-    client: HTTP1Pool, hop: Hop, path: str, body: dict, request_id: str, deadline: float
+    client: UpstreamClient, hop: Hop, path: str, body: dict, request_id: str, deadline: float
 ) -> SSEStream:
     """Send a stream request and wait for a 200 and its headers."""
     base, content, headers = upstream_request(hop, body, request_id, stream=True)
@@ -225,7 +225,7 @@ async def open_stream(
     return SSEStream(response)
 
 
-async def abort(client: HTTP1Pool, hop: Hop, request_id: str) -> dict | None:
+async def abort(client: UpstreamClient, hop: Hop, request_id: str) -> dict | None:
     """Tell our engine to stop `request_id`; its answer carries the exact usage made. None if it cannot say."""
     headers = {"content-type": "application/json", **hop.instance.auth_headers()}
     body = orjson.dumps({"request_id": request_id})

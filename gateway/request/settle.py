@@ -7,7 +7,10 @@ A request has one of two ends. `finish` ends an admitted one, exactly once, call
 `finish_unadmitted` ends one refused before admission: its event only, nothing was taken. Each step of `finish`
 has its own guard, so one that raises never skips the ones after it; a settle or a slot release the shared state
 cannot take now goes to the outbox (gateway/state/outbox.py) and is replayed when it can. The event is written before
-the usage row is counted: it is the write-ahead record that start-up replays after a crash.
+the usage row is counted: it is the write-ahead record that start-up replays after a crash. `finish` awaits the
+event's group commit (EventWriter.commit), so its line is in the file before the answer of a non-stream request is
+sent (the handler's end settles it before returning the answer); `finish_unadmitted` cannot await (it is called from
+sync error paths) and writes its line at once (EventWriter.emit).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from tokenweir.gateway.request.context import RequestContext, RequestRecord, Req
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
-from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
+from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.outbox import StateOutbox
-from tokenweir.gateway.upstream.http1 import HTTP1Pool
+from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.budget import day_key
 from tokenweir.policies.pricing import femtos_to_usd
@@ -49,7 +52,7 @@ class Settler:
         state: StateBackend,
         local: StateBackend | None,
         queues: dict,
-        client: HTTP1Pool,
+        client: UpstreamClient,
         events: EventWriter,
         metrics: Metrics,
         usage,
@@ -86,7 +89,7 @@ class Settler:
             priority=team.limits.priority if team is not None else 0,
             outcome=Outcome("cancelled" if gone else "rejected", err.code, err.status, disconnected=gone),
         )
-        self.emit(record, time.perf_counter(), 0, 0, 0)
+        self.events.emit(self.event(record, time.perf_counter(), 0, 0, 0))
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
         if ctx.hop is not None:
@@ -113,11 +116,14 @@ class Settler:
         if ctx.ticket is not None:
             self._guard(self.queues[ctx.model].release, ctx.ticket)
         state = self.local if ctx.local_state else self.state
+        lease = None  # its own lease, the one it journaled: given back with the settle below, in one state call
         if ctx.slot:
             ctx.slot = False
             assert state is not None  # admitted under local limits only where there are some
-            release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
-            await self.state_change(release, ctx)  # its own lease, the one it journaled
+            lease = Lease(ctx.slot_lease or "", ctx.slot_key_id)
+            if ctx.reservation is None:  # never so today (the slot is taken with the reservation): released alone
+                release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
+                await self.state_change(release, ctx)
         chunks = stream.chunks if stream is not None else None
         try:
             prompt, completion, cached = self.billable(ctx, chunks)
@@ -134,14 +140,18 @@ class Settler:
         ts = time.time()
         if ctx.reservation is not None:
             assert state is not None  # as above
-            await self.state_change(state.settle(ctx.reservation, prompt, completion, ts, cost=cost or 0), ctx)
+            settle = state.settle_and_release(ctx.reservation, prompt, completion, ts, cost=cost or 0, lease=lease)
+            await self.state_change(settle, ctx)
             if ctx.local_state and self.outbox is not None:
                 # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
                 op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
                 key_id = ctx.reservation.key_id
                 self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
-        self._guard(self.record, ctx, ts, prompt, completion, cached, cost, chunks)
-        self._guard(self.journal.done, ctx)  # right after the event, no await between: see InflightJournal.done
+        try:
+            await self.record(ctx, ts, prompt, completion, cached, cost, chunks)
+        except Exception:  # noqa: BLE001 - the journal's line below must still be written
+            log.exception("finish_step_failed", step="record")
+        self._guard(self.journal.done, ctx)  # right after the usage row, no await between: see InflightJournal.done
 
     def cost(self, ctx: RequestRecord, prompt: int, completion: int, cached: int) -> int | None:
         """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
@@ -151,7 +161,7 @@ class Settler:
         prices = pool.cfg.prices if pool is not None else None
         return None if prices is None else prices.cost_femtos(prompt, completion, cached)
 
-    def record(
+    async def record(
         self,
         ctx: RequestRecord,
         ts: float,
@@ -162,10 +172,14 @@ class Settler:
         chunks: ChunkFilter | None = None,
     ) -> None:
         """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
-        write-ahead record that start-up replays when a crash kept the usage row out of the store)."""
+        write-ahead record that start-up replays when a crash kept the usage row out of the store). It returns once
+        the event's line is in the file; nothing awaits after it, so the caller's next step (the journal's "done")
+        follows the usage row with no usage flush between."""
         seq = None
         try:
-            seq = self.emit(ctx, time.perf_counter(), prompt, completion, cached, ts, cost, chunks)
+            seq = await self.events.commit(
+                self.event(ctx, time.perf_counter(), prompt, completion, cached, ts, cost, chunks)
+            )
         except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
             log.exception("event_write_failed", request_id=ctx.request_id)
         if ctx.route:
@@ -254,7 +268,7 @@ class Settler:
         ctx.usage_source = "reservation_bound"
         return ctx.prompt_tokens, max(completion, ctx.max_tokens or 0), 0
 
-    def emit(
+    def event(
         self,
         ctx: RequestRecord,
         now: float,
@@ -264,7 +278,8 @@ class Settler:
         ts: float | None = None,
         cost: int | None = None,
         chunks: ChunkFilter | None = None,
-    ) -> int:
+    ) -> dict:
+        """The request's event, for the caller to write (EventWriter.commit or .emit); its metrics are observed."""
         e2e = now - ctx.t0
         tpot = None
         per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
@@ -284,41 +299,39 @@ class Settler:
                 reserved=ctx.max_tokens,
                 completion_tokens=completion,
             )
-        seq = self.events.emit(
-            {
-                "ts": ts or time.time(),
-                "request_id": ctx.request_id,
-                "team": ctx.team_id,
-                "key_id": ctx.key_id,
-                "model": clip(ctx.model),
-                "served_model": ctx.served_model,
-                "route": ctx.route,
-                "route_reason": ctx.route_reason,
-                "upstream_error": ctx.upstream_error,
-                "upstream_request_id": ctx.upstream_id or None,
-                "instance": ctx.route[-1] if ctx.route else None,
-                "priority": ctx.priority,
-                "status": ctx.outcome.status,
-                "reason": ctx.outcome.reason,
-                "http_status": ctx.outcome.http_status,
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "cached_tokens": cached,
-                "max_tokens": ctx.max_tokens,
-                "overrun_tokens": overrun,
-                "usage_source": ctx.usage_source,
-                "queue_ms": _ms(ctx.queue_s),
-                "ttft_ms": _ms(ctx.ttft_s),
-                "tpot_ms": _ms(tpot),
-                "e2e_ms": _ms(e2e),
-                "finish_reason": ctx.finish_reason,
-                "stream": ctx.stream,
-                "kind": ctx.kind,
-                "client_disconnected": ctx.outcome.disconnected,
-                "user": ctx.user,
-                "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
-            }
-        )
+        event = {
+            "ts": ts or time.time(),
+            "request_id": ctx.request_id,
+            "team": ctx.team_id,
+            "key_id": ctx.key_id,
+            "model": clip(ctx.model),
+            "served_model": ctx.served_model,
+            "route": ctx.route,
+            "route_reason": ctx.route_reason,
+            "upstream_error": ctx.upstream_error,
+            "upstream_request_id": ctx.upstream_id or None,
+            "instance": ctx.route[-1] if ctx.route else None,
+            "priority": ctx.priority,
+            "status": ctx.outcome.status,
+            "reason": ctx.outcome.reason,
+            "http_status": ctx.outcome.http_status,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "cached_tokens": cached,
+            "max_tokens": ctx.max_tokens,
+            "overrun_tokens": overrun,
+            "usage_source": ctx.usage_source,
+            "queue_ms": _ms(ctx.queue_s),
+            "ttft_ms": _ms(ctx.ttft_s),
+            "tpot_ms": _ms(tpot),
+            "e2e_ms": _ms(e2e),
+            "finish_reason": ctx.finish_reason,
+            "stream": ctx.stream,
+            "kind": ctx.kind,
+            "client_disconnected": ctx.outcome.disconnected,
+            "user": ctx.user,
+            "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
+        }
         m = self.metrics
         # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
         model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
@@ -348,7 +361,7 @@ class Settler:
                 reason=outcome.reason,
                 http_status=outcome.http_status,
             )
-        return seq
+        return event
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tokenweir.gateway.state.backend import StateBackend
     from tokenweir.gateway.state.outbox import StateOutbox
     from tokenweir.gateway.store.store import Store
-    from tokenweir.gateway.upstream.http1 import HTTP1Pool
+    from tokenweir.gateway.upstream.client import UpstreamClient
     from tokenweir.gateway.upstream.pools import Upstreams
 
 
@@ -40,7 +40,7 @@ class Services:
     store: Store
     authenticator: Authenticator
     usage: UsageRecorder
-    http: HTTP1Pool  # the upstream client
+    http: UpstreamClient  # the upstream client
     outbox: StateOutbox
     admission: Admission
     background: BackgroundTasks  # what cancelled requests still run (their settle): shutdown waits for it

@@ -13,6 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from tokenweir.gateway.state.backend import Lease
 from tokenweir.policies.budget import DAY, MONTH, Budget, as_key_rejection, seconds_until_reset, spend_rejection
 from tokenweir.policies.decisions import Rejected, budget_rejection, rate_rejection
 from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
@@ -218,6 +219,42 @@ class InMemoryState:
                 if i == 0:
                     team_overshoot = overshoot
             return reservation.mark_settled(actual, cost, team_overshoot)
+
+    async def reserve_and_acquire(
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
+        lease: Lease,
+    ) -> tuple[Reservation, bool]:
+        """`reserve`, then the lease's slots if it was taken: nothing awaits between the two (the lock is left
+        without yielding and acquire_slot never awaits), so no other request comes between them either."""
+        reservation = await self.reserve(
+            team_id, limits, prompt_tokens, max_tokens, now, key_id=key_id, key_limits=key_limits, cost=cost
+        )
+        got = await self.acquire_slot(team_id, lease.max_concurrency, key_id=lease.key_id, key_max=lease.key_max)
+        return reservation, got
+
+    async def settle_and_release(
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
+        lease: Lease | None = None,
+    ) -> Reservation:
+        """The lease's slots back (before any await: done even if the caller is cancelled), then `settle`."""
+        if lease is not None:
+            await self.release_slot(reservation.team_id, key_id=lease.key_id)
+        return await self.settle(reservation, prompt_tokens, completion_tokens, now, cost=cost)
 
     async def acquire_slot(
         self,

@@ -1,8 +1,10 @@
 """Shared live state in Redis for several gateway replicas: the same methods as `InMemoryState`.
 
 Every decision is one Lua script (gateway.state.redis_lua; one round trip, atomic on the server), so N replicas
-together admit exactly what one would: limits are never multiplied by the replica count. Where each team's and API
-key's counters live: gateway.state.redis_keys; reading the scripts' answers: gateway.state.redis_replies.
+together admit exactly what one would: limits are never multiplied by the replica count. A request makes two: its
+reservation with its concurrency lease (reserve_and_acquire), and its settle with the lease's release
+(settle_and_release). Where each team's and API key's counters live: gateway.state.redis_keys; reading the scripts'
+answers: gateway.state.redis_replies; the leases this replica holds and renews: gateway.state.redis_leases.
 A replica that dies without settling cannot hold budget or slots forever: expired holds are reaped (their
 tokens given back) by the next reserve, expired slot leases by the next acquire. Live leases are renewed by a
 background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
@@ -16,8 +18,6 @@ it: a caller on another thread runs the coroutine on that loop (asyncio.run_coro
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,25 +26,16 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from tokenweir.gateway.state.backend import StateUnavailable
+from tokenweir.gateway.state.backend import Lease, StateUnavailable
+from tokenweir.gateway.state.redis_calls import lim, reserve_call, settle_call
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
-from tokenweir.gateway.state.redis_lua import (
-    ACQUIRE,
-    ACQUIRE_ARGV,
-    RENEW,
-    RESERVE,
-    RESERVE_ARGV,
-    RESERVE_SUBJECT_ARGV,
-    SETTLE,
-    SETTLE_ARGV,
-    script_args,
-)
-from tokenweir.gateway.state.redis_replies import UNLIMITED, merged_headers, reserve_rejection, snapshot_view
+from tokenweir.gateway.state.redis_leases import LeaseBook
+from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, RESERVE, SETTLE, script_args
+from tokenweir.gateway.state.redis_replies import merged_headers, reserve_rejection, snapshot_view
 from tokenweir.policies.budget import as_key_rejection
-from tokenweir.policies.limits import KeyLimits, TeamLimits, usd_micros
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import split_femtos
-from tokenweir.policies.rate import SLOTS, WINDOW_S
 from tokenweir.policies.reservation import Reservation
 
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
@@ -52,10 +43,6 @@ from tokenweir.policies.reservation import Reservation
 # write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
 # closed=True>"), not an OSError.
 REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
-
-
-def _lim(value: int | None) -> int:
-    return UNLIMITED if value is None else value
 
 
 class RedisState:
@@ -96,12 +83,10 @@ class RedisState:
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=pool)
-        self._reserve = self._redis.register_script(RESERVE)
+        self._reserve_script = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
         self._acquire = self._redis.register_script(ACQUIRE)
-        self._renew = self._redis.register_script(RENEW)
-        self._leases: dict[tuple[str, str | None], list[str]] = {}  # live slot leases per (team, key or None)
-        self._renewer: asyncio.Task | None = None
+        self._lease_book = LeaseBook(self._redis, self._keys, lease_s, clock, REDIS_ERRORS)
         self.live_holds: dict[str, LiveHold] = {}  # by hold id, until settled
         self.require_seeded = require_seeded
         self.on_unseeded: Callable[[str], Awaitable[bool]] | None = None
@@ -117,25 +102,7 @@ class RedisState:
     @property
     def leases(self) -> dict[tuple[str, str | None], list[str]]:
         """This replica's live slot leases per (team, key or None)."""
-        return self._leases
-
-    def _reserve_subject(self, team_id: str, key_id: str | None, limits, now: float) -> tuple[list, list]:
-        """One subject's KEYS and ARGV for the RESERVE script (state_redis_lua.RESERVE_KEYS / _SUBJECT_ARGV)."""
-        sub = self._keys.subject(key_id)
-        day_k, month_k, *_ = self._keys.period_keys(team_id, now, key_id)
-        keys = [self._keys.key(team_id, sub + "rpm"), self._keys.key(team_id, sub + "tpm"), day_k, month_k]
-        keys += [self._keys.key(team_id, sub + "holds"), self._keys.key(team_id, sub + "meta")]
-        args = script_args(
-            RESERVE_SUBJECT_ARGV,
-            rpm_limit=_lim(limits.rpm),
-            tpm_limit=_lim(limits.tpm),
-            day_limit=_lim(limits.tokens_per_day),
-            month_limit=_lim(limits.tokens_per_month),
-            cost_day_limit=_lim(usd_micros(limits.usd_per_day)),
-            cost_month_limit=_lim(usd_micros(limits.usd_per_month)),
-            res_prefix=self._keys.key(team_id, sub + "res:"),
-        )
-        return keys, args
+        return self._lease_book.leases
 
     async def reserve(
         self,
@@ -148,58 +115,91 @@ class RedisState:
         key_id: str | None = None,
         key_limits: KeyLimits | None = None,
         cost: int = 0,
-        seeding_tried: bool = False,
     ) -> Reservation:
+        key: dict[str, Any] = {"key_id": key_id, "key_limits": key_limits, "cost": cost}
+        reservation, _ = await self._reserve(team_id, limits, prompt_tokens, max_tokens, now, None, **key)
+        return reservation
+
+    async def reserve_and_acquire(
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        cost: int = 0,
+        lease: Lease,
+    ) -> tuple[Reservation, bool]:
+        """`reserve` and `acquire_slot` in one script (one round trip): the lease is taken only with the hold, and a
+        full slot leaves the hold taken (False: the caller refuses the request, and its settle gives it back)."""
+        key: dict[str, Any] = {"key_id": key_id, "key_limits": key_limits, "cost": cost}
+        return await self._reserve(team_id, limits, prompt_tokens, max_tokens, now, lease, **key)
+
+    async def _reserve(
+        self,
+        team_id: str,
+        limits: TeamLimits,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float | None,
+        lease: Lease | None,
+        *,
+        key_id: str | None,
+        key_limits: KeyLimits | None,
+        cost: int,
+        seeding_tried: bool = False,
+    ) -> tuple[Reservation, bool]:
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         now = self._clock() if now is None else now
         n = prompt_tokens + max_tokens
-        _, _, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now)
+        _, _, d, m, *_ = self._keys.period_keys(team_id, now)
         res_id = uuid.uuid4().hex
         # A key without limits is still counted: a limit added later must see what it already spent.
         counted_key = key_id
         subjects = [(None, limits)] + ([(counted_key, key_limits or KeyLimits())] if counted_key is not None else [])
-        keys: list = []
-        args = script_args(
-            RESERVE_ARGV,
-            now=repr(now),
+        keys, args = reserve_call(
+            self._keys,
+            team_id,
+            subjects,
+            now=now,
             tokens=n,
             cost=cost,
-            slot_s=WINDOW_S / SLOTS,
-            slots=SLOTS,
-            day_period=d,
-            month_period=m,
-            day_expire_s=d_exp,
-            month_expire_s=m_exp,
             res_id=res_id,
             hold_s=self.hold_s,
-            require_seeded=int(self.require_seeded),
+            require_seeded=self.require_seeded,
+            lease=lease,
+            lease_s=self.lease_s,
         )
-        for sub_key, sub_limits in subjects:
-            sub_keys, sub_args = self._reserve_subject(team_id, sub_key, sub_limits, now)
-            keys += sub_keys
-            args += sub_args
         try:
-            code, detail, which, *used = await self._reserve(keys=keys, args=args)
+            code, detail, which, took_lease, *used = await self._reserve_script(keys=keys, args=args)
         except REDIS_ERRORS as e:
-            # The hold may have been taken before the answer was lost: a settle of nothing gives it back (and
-            # is a no-op if it never was).
+            # The hold (and the lease) may have been taken before the answer was lost: a settle of nothing gives
+            # it back (and is a no-op if it never was).
             undo = {"op": "settle", "team_id": team_id, "res_id": res_id, "tokens": 0, "now": now}
             undo |= {"key_id": counted_key, "cost": 0}
+            if lease is not None:
+                undo["release"] = lease.release_op(team_id)
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
         if code == 7:
             if not seeding_tried and self.on_unseeded is not None and await self.on_unseeded(team_id):
                 key: dict[str, Any] = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
-                return await self.reserve(team_id, limits, prompt_tokens, max_tokens, now, **key)
+                return await self._reserve(team_id, limits, prompt_tokens, max_tokens, now, lease, **key)
             raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
         used = [int(u) for u in used]
-        headers = merged_headers([lim for _, lim in subjects], used, now)
+        headers = merged_headers([sub_limits for _, sub_limits in subjects], used, now)
         if code != 0:
             i = int(which) - 1  # the subject that said no: 0 the team, 1 the key
             rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
             rejection = reserve_rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
             raise as_key_rejection(rejection) if i else rejection
         self.live_holds[res_id] = LiveHold(team_id, counted_key, n, cost, now, d, m)
-        return Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
+        if lease is not None and int(took_lease):
+            self._lease_book.taken(team_id, lease.key_id, lease.lease_id)
+        hold = Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
+        return hold, bool(int(took_lease))
 
     async def settle(
         self,
@@ -211,19 +211,43 @@ class RedisState:
         cost: int = 0,
     ) -> Reservation:
         """Idempotent across replicas too: the first settle leaves a tombstone that later ones stop at."""
+        return await self.settle_and_release(reservation, prompt_tokens, completion_tokens, now, cost=cost)
+
+    async def settle_and_release(
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float | None = None,
+        *,
+        cost: int = 0,
+        lease: Lease | None = None,
+    ) -> Reservation:
+        """`settle` and `release_slot` of `lease` in one script (one round trip). The lease is forgotten here
+        before the await, and the round trip finishes even if the caller is cancelled (shielded); a failed call
+        raises StateUnavailable with both pending (for the outbox)."""
         assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
+        release = None
+        if lease is not None:
+            lease_id = self._lease_book.dropped(reservation.team_id, lease.key_id, lease.lease_id)
+            release = Lease(lease_id, lease.key_id).release_op(reservation.team_id)
         if reservation.settled:
+            if release is not None:
+                await asyncio.shield(self.replay(release))
             return reservation
         self.live_holds.pop(reservation.backend_id or "", None)
         now = self._clock() if now is None else now
         op: dict[str, Any] = {"op": "settle", "team_id": reservation.team_id, "res_id": reservation.backend_id}
         op |= {"tokens": prompt_tokens + completion_tokens, "now": now, "key_id": reservation.key_id, "cost": cost}
-        over = await self.replay(op)
+        if release is not None:
+            op["release"] = release
+        over = await asyncio.shield(self.replay(op))
         return reservation.mark_settled(prompt_tokens + completion_tokens, cost, max(0, int(over)))
 
     async def replay(self, op: dict) -> int:
-        """Apply a settle or a slot release, now or again later from the outbox (both are idempotent: a settle
-        stops at its tombstone, a release of a lease already gone removes nothing)."""
+        """Apply a settle (with the release of its lease, given "release") or a slot release alone, now or again
+        later from the outbox (both are idempotent: a settle stops at its tombstone, a release of a lease already
+        gone removes nothing)."""
         try:
             team_id, key_id = op["team_id"], op.get("key_id")
             if op["op"] == "release_slot":
@@ -231,34 +255,12 @@ class RedisState:
                     await self._redis.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
                     return 0
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
-                    pipe.zrem(self._keys.key(team_id, self._keys.subject(key_id) + "slots"), op["lease_id"])
+                    for slots in self._keys.slot_keys(team_id, key_id):
+                        pipe.zrem(slots, op["lease_id"])
                     await pipe.execute()
                 return 0
             assert op["op"] == "settle", op
-            res_id, now = op["res_id"], op["now"]
-            keys = []
-            for sub_key in (None, key_id) if key_id is not None else (None,):
-                sub = self._keys.subject(sub_key)
-                day_k, month_k, d, m, d_exp, m_exp = self._keys.period_keys(team_id, now, sub_key)
-                # KEYS per subject: tpm_window day_hash month_hash holds_zset meta_hash res_hash (lua.SETTLE_KEYS)
-                keys += [self._keys.key(team_id, sub + "tpm"), day_k, month_k, self._keys.key(team_id, sub + "holds")]
-                keys += [self._keys.key(team_id, sub + "meta"), self._keys.key(team_id, f"{sub}res:{res_id}")]
-            cost_micros, cost_below_micro = split_femtos(op.get("cost", 0))  # exact femto-USD, split for int64 maths
-            args = script_args(
-                SETTLE_ARGV,
-                now=repr(now),
-                actual=op["tokens"],
-                actual_cost=cost_micros,
-                actual_cost_rem=cost_below_micro,
-                slot_s=WINDOW_S / SLOTS,
-                slots=SLOTS,
-                day_period=d,
-                month_period=m,
-                day_expire_s=d_exp,
-                month_expire_s=m_exp,
-                res_id=res_id,
-            )
+            keys, args = settle_call(self._keys, op)
             return int(await self._settle(keys=keys, args=args))
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
@@ -276,28 +278,23 @@ class RedisState:
         renewed in the background until released. `lease_id`: the caller's name for it (unique), chosen before
         the call so that a restart after this process dies can release it by name (gateway/request/inflight.py)."""
         lease_id = lease_id or uuid.uuid4().hex
-        keys = [self._keys.key(team_id, "slots")]
-        if key_id is not None:
-            keys.append(self._keys.key(team_id, self._keys.subject(key_id) + "slots"))
         args = script_args(
             ACQUIRE_ARGV,
             now=repr(self._clock()),
             lease_s=self.lease_s,
-            max_concurrency=_lim(max_concurrency),
+            max_concurrency=lim(max_concurrency),
             lease_id=lease_id,
-            key_max_concurrency=_lim(key_max),
+            key_max_concurrency=lim(key_max),
         )
         try:
-            if not await self._acquire(keys=keys, args=args):
+            if not await self._acquire(keys=self._keys.slot_keys(team_id, key_id), args=args):
                 return False
         except REDIS_ERRORS as e:
             # The lease may have been taken before the answer was lost: release it, or it would hold one of the
             # team's slots until it expires.
-            undo = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
+            undo = Lease(lease_id, key_id).release_op(team_id)
             raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}", pending=undo) from e
-        self._leases.setdefault((team_id, key_id), []).append(lease_id)
-        if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.create_task(self._renew_loop())
+        self._lease_book.taken(team_id, key_id, lease_id)
         return True
 
     async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None:
@@ -305,34 +302,12 @@ class RedisState:
         journal names it), else the newest. The local bookkeeping happens before the await, so a
         cancellation during the round trip still frees the slot here; a failed call raises StateUnavailable with
         the release pending (for the outbox), and Redis lets the lease lapse by expiry meanwhile."""
-        leases = self._leases.get((team_id, key_id))
-        assert leases, f"release_slot without acquire_slot for team {team_id}"
-        if lease_id is None or lease_id not in leases:
-            lease_id = leases.pop()
-        else:
-            leases.remove(lease_id)
-        if not leases:
-            del self._leases[(team_id, key_id)]
-        op = {"op": "release_slot", "team_id": team_id, "lease_id": lease_id, "key_id": key_id}
-        await asyncio.shield(self.replay(op))
+        lease_id = self._lease_book.dropped(team_id, key_id, lease_id)
+        await asyncio.shield(self.replay(Lease(lease_id, key_id).release_op(team_id)))
 
     async def renew_leases(self) -> None:
         """Push out the expiry of every lease this replica holds (the background task calls this)."""
-        expiry = repr(self._clock() + self.lease_s)
-        ttl_ms = math.ceil(self.lease_s * 1000) + 1000
-        for (team_id, key_id), leases in list(self._leases.items()):
-            if leases:
-                # ARGV: expiry, ttl_ms, then every lease id (see state_redis_lua.RENEW)
-                await self._renew(keys=[self._keys.key(team_id, "slots")], args=[expiry, ttl_ms, *leases])
-                if key_id is not None:
-                    key_slots = self._keys.key(team_id, self._keys.subject(key_id) + "slots")
-                    await self._renew(keys=[key_slots], args=[expiry, ttl_ms, *leases])
-
-    async def _renew_loop(self) -> None:
-        while self._leases:
-            await asyncio.sleep(self.lease_s / 3)
-            with contextlib.suppress(*REDIS_ERRORS):  # Redis is away: next round (a lease lasts three)
-                await self.renew_leases()
+        await self._lease_book.renew()
 
     async def seed_spend(
         self,
@@ -382,7 +357,5 @@ class RedisState:
             raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
+        await self._lease_book.close()
         await self._redis.aclose()

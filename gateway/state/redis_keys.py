@@ -33,6 +33,13 @@ class RedisKeyLayout:
         """Where a subject's keys live under its team's hash tag: '' for the team, 'key:<id>:' for an API key."""
         return "" if key_id is None else f"key:{key_id}:"
 
+    def slot_keys(self, team_id: str, key_id: str | None = None) -> list[str]:
+        """The slots zsets a lease lives in: the team's, and the key's own when it has a concurrency cap (key_id)."""
+        keys = [self.key(team_id, "slots")]
+        if key_id is not None:
+            keys.append(self.key(team_id, self.subject(key_id) + "slots"))
+        return keys
+
     def period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
         d, m = day_key(now), month_key(now)
         # kept a day past the period's end so a snapshot at 00:00:01 can still read yesterday's numbers

@@ -1,4 +1,6 @@
-"""The Lua scripts behind `RedisState`: one atomic script per decision (reserve, settle, acquire, renew).
+"""The Lua scripts behind `RedisState`: one atomic script per decision (reserve, settle, acquire, renew). A request's
+hot path is two of them: RESERVE, which also takes its concurrency lease, and SETTLE, which also gives the lease back
+(one round trip each; ACQUIRE and the release alone serve callers that hold no reservation).
 
 Each script names its KEYS and ARGV at the top (every one read once into a named local), and each has a matching
 tuple of ARGV names here (`RESERVE_ARGV`, ...) that `script_args` fills in by name, so the Python side and the Lua
@@ -40,6 +42,26 @@ local function give_back(key, field, n)  -- decrement, never below zero
 end
 """
 
+# Take a lease on every slots zset given unless one is at its maximum (-1: none; expired leases are dropped first).
+LEASE_FUNCTIONS = """
+local function take_lease(slot_keys, maxes, now, lease_s, lease_id)
+  for i, key in ipairs(slot_keys) do
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    if maxes[i] >= 0 and redis.call('ZCARD', key) >= maxes[i] then return 0 end
+  end
+  for _, key in ipairs(slot_keys) do
+    redis.call('ZADD', key, now + lease_s, lease_id)
+    redis.call('PEXPIRE', key, math.ceil(lease_s * 1000) + 1000)
+  end
+  return 1
+end
+local function slot_keys_after(n_subject_keys, n_slots)  -- the slots zsets that follow the subjects' KEYS
+  local keys = {}
+  for j = 1, n_slots do keys[j] = KEYS[n_subject_keys + j] end
+  return keys
+end
+"""
+
 # ARGV[4..10] of both the reserve and the settle script: the rate window's slots, the budget periods, the hold's id.
 WINDOW_ARGV = ("slot_s", "slots", "day_period", "month_period", "day_expire_s", "month_expire_s", "res_id")
 
@@ -48,19 +70,25 @@ WINDOW_ARGV = ("slot_s", "slots", "day_period", "month_period", "day_expire_s", 
 # {code, detail, subject, rpm_used, tpm_used, ...one pair per subject}: code 0 taken, 1 rpm (detail: wait s),
 # 2 tpm (wait s, -1 never), 3 day / 4 month token budget, 5 day / 6 month spend budget (detail: what is left);
 # subject: which one said no (1 team, 2 key); 7: the team's spend is not seeded in this Redis (its data was lost or
-# never seeded; gateway.state.repair), nothing taken.
-RESERVE_ARGV = ("now", "tokens", "cost", *WINDOW_ARGV, "hold_s", "require_seeded")
+# never seeded; gateway.state.repair), nothing taken. With slots zsets after the subjects' KEYS (slot_keys of them),
+# a hold taken also takes the request's concurrency lease on them when none is full (ACQUIRE's rule); `lease` in the
+# reply: 1 taken, 0 not (full, or none asked for). A lease that does not fit leaves the hold taken.
+LEASE_ARGV = ("lease_id", "lease_s", "max_concurrency", "key_max_concurrency", "slot_keys")
+RESERVE_ARGV = ("now", "tokens", "cost", *WINDOW_ARGV, "hold_s", "require_seeded", *LEASE_ARGV)
 # Then, per subject, in this order (`subject_args`); KEYS per subject: RESERVE_KEYS.
 RESERVE_SUBJECT_ARGV = ("rpm_limit", "tpm_limit", "day_limit", "month_limit", "cost_day_limit", "cost_month_limit",
                         "res_prefix")  # fmt: skip
 RESERVE_KEYS = ("rpm_window", "tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash")
 RESERVE = (
     WINDOW_FUNCTIONS
+    + LEASE_FUNCTIONS
     + """
--- KEYS: per subject rpm_window tpm_window day_hash month_hash holds_zset meta_hash
+-- KEYS: per subject rpm_window tpm_window day_hash month_hash holds_zset meta_hash; then slot_keys slots_zsets (the
+--   team's, then its key's when the key has a concurrency cap of its own)
 -- ARGV: now, tokens (prompt + max_tokens to hold), cost (micro-USD to hold), slot_s, slots (window slot length and
 --   count), day_period, month_period (the current periods' keys), day_expire_s, month_expire_s (the period hashes'
---   TTLs), res_id, hold_s (the hold's lease), require_seeded (1: refuse a team whose meta has no seed marker);
+--   TTLs), res_id, hold_s (the hold's lease), require_seeded (1: refuse a team whose meta has no seed marker),
+--   lease_id, lease_s, max_concurrency, key_max_concurrency (-1: unlimited), slot_keys (0: take no lease);
 --   then per subject: rpm_limit, tpm_limit, day_limit, month_limit, cost_day_limit, cost_month_limit
 --   (-1: unlimited), res_prefix
 local now_text, n, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -68,19 +96,22 @@ local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
 local day_period, month_period = ARGV[6], ARGV[7]
 local day_expire_s, month_expire_s = ARGV[8], ARGV[9]
 local res_id, hold_s = ARGV[10], tonumber(ARGV[11])
+local lease_id, lease_s = ARGV[13], tonumber(ARGV[14])
+local lease_maxes, n_slots = {tonumber(ARGV[15]), tonumber(ARGV[16])}, tonumber(ARGV[17])
+local n_subjects = (#KEYS - n_slots) / 6
 local now = tonumber(now_text)
 local cur = math.floor(now / slot_s)
 
 -- a budget that forgot its spend (a FLUSH, a failover to an empty replica) must not be admitted against
 if ARGV[12] == '1' and redis.call('HEXISTS', KEYS[6], 'seeded') == 0 then
   local zeros = {}
-  for i = 1, #KEYS / 6 * 2 do zeros[i] = 0 end
-  return {7, '0', 1, unpack(zeros)}
+  for i = 1, n_subjects * 2 do zeros[i] = 0 end
+  return {7, '0', 1, 0, unpack(zeros)}
 end
 
 local subjects = {}
-for i = 1, #KEYS / 6 do
-  local k, a = (i - 1) * 6, 12 + (i - 1) * 7
+for i = 1, n_subjects do
+  local k, a = (i - 1) * 6, 17 + (i - 1) * 7
   subjects[i] = {
     rpm_window = KEYS[k + 1], tpm_window = KEYS[k + 2], day_hash = KEYS[k + 3], month_hash = KEYS[k + 4],
     holds_zset = KEYS[k + 5], meta_hash = KEYS[k + 6],
@@ -118,7 +149,7 @@ for i, s in ipairs(subjects) do
   used[#used + 1] = s.tpm_used
 end
 
-local function no(code, detail, i) return {code, tostring(detail), i, unpack(used)} end
+local function no(code, detail, i) return {code, tostring(detail), i, 0, unpack(used)} end
 for i, s in ipairs(subjects) do
   local rpm_l, tpm_l = tonumber(s.rpm_text), tonumber(s.tpm_text)
   if rpm_l >= 0 and s.rpm_used + 1 > rpm_l then
@@ -166,7 +197,11 @@ for i, s in ipairs(subjects) do
   used[2 * i - 1] = s.rpm_used + 1
   used[2 * i] = s.tpm_used + n
 end
-return {0, '0', 0, unpack(used)}
+local lease = 0
+if n_slots > 0 then
+  lease = take_lease(slot_keys_after(n_subjects * 6, n_slots), lease_maxes, now, lease_s, lease_id)
+end
+return {0, '0', 0, lease, unpack(used)}
 """
 )
 
@@ -174,24 +209,31 @@ return {0, '0', 0, unpack(used)}
 # tombstone (per subject). Returns the team's overshoot (tokens beyond the hold), or -1 when already settled.
 # The cost is exact: whole micro-USD (actual_cost) and the femto-USD below a micro-dollar (actual_cost_rem), carried
 # in cost_spent_rem until it makes a whole micro-dollar, so billed spend sums exactly (policies.pricing).
-SETTLE_ARGV = ("now", "actual", "actual_cost", *WINDOW_ARGV, "actual_cost_rem")
+# With slots zsets after the subjects' KEYS (slot_keys of them), the request's lease_id is released from them too,
+# whether or not the hold was settled already (a release of a lease already gone removes nothing).
+SETTLE_ARGV = ("now", "actual", "actual_cost", *WINDOW_ARGV, "actual_cost_rem", "lease_id", "slot_keys")
 SETTLE_KEYS = ("tpm_window", "day_hash", "month_hash", "holds_zset", "meta_hash", "res_hash")
 SETTLE = (
     WINDOW_FUNCTIONS
+    + LEASE_FUNCTIONS
     + """
--- KEYS: per subject tpm_window day_hash month_hash holds_zset meta_hash res_hash
+-- KEYS: per subject tpm_window day_hash month_hash holds_zset meta_hash res_hash; then slot_keys slots_zsets
 -- ARGV: now, actual (tokens used), actual_cost (whole micro-USD), slot_s, slots, day_period, month_period,
---   day_expire_s, month_expire_s, res_id, actual_cost_rem (femto-USD below a micro-dollar, 0 to 10^9 - 1)
+--   day_expire_s, month_expire_s, res_id, actual_cost_rem (femto-USD below a micro-dollar, 0 to 10^9 - 1),
+--   lease_id (the lease to release), slot_keys (0: release none)
 local now, actual, actual_cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local slot_s, slots = tonumber(ARGV[4]), tonumber(ARGV[5])
 local day_period, month_period = ARGV[6], ARGV[7]
 local day_expire_s, month_expire_s = ARGV[8], ARGV[9]
 local res_id, actual_cost_rem = ARGV[10], tonumber(ARGV[11])
+local lease_id, n_slots = ARGV[12], tonumber(ARGV[13])
+local n_subjects = (#KEYS - n_slots) / 6
 local FEMTOS_PER_MICRO = 1000000000
 local cur = math.floor(now / slot_s)
 
+for _, key in ipairs(slot_keys_after(n_subjects * 6, n_slots)) do redis.call('ZREM', key, lease_id) end
 local result = -1
-for i = 1, #KEYS / 6 do
+for i = 1, n_subjects do
   local k = (i - 1) * 6
   local tpm_window, day_hash, month_hash = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local holds_zset, meta_hash, res_hash = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
@@ -243,22 +285,15 @@ return result
 # Take a concurrency lease on every subject's slots (the team's; the key's too when KEYS has two) unless one is at
 # its maximum (expired leases are dropped first). Returns 1 or 0.
 ACQUIRE_ARGV = ("now", "lease_s", "max_concurrency", "lease_id", "key_max_concurrency")
-ACQUIRE = """
+ACQUIRE = (
+    LEASE_FUNCTIONS
+    + """
 -- KEYS: slots_zset (the team's), then the key's slots_zset when the key has a concurrency cap of its own
 -- ARGV: now, lease_s, max_concurrency (-1: unlimited), lease_id, key_max_concurrency (-1: unlimited)
 local now, lease_s, lease_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4]
-local maxes = {tonumber(ARGV[3]), tonumber(ARGV[5])}
-
-for i = 1, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  if maxes[i] >= 0 and redis.call('ZCARD', KEYS[i]) >= maxes[i] then return 0 end
-end
-for i = 1, #KEYS do
-  redis.call('ZADD', KEYS[i], now + lease_s, lease_id)
-  redis.call('PEXPIRE', KEYS[i], math.ceil(lease_s * 1000) + 1000)
-end
-return 1
+return take_lease(slot_keys_after(0, #KEYS), {tonumber(ARGV[3]), tonumber(ARGV[5])}, now, lease_s, lease_id)
 """
+)
 
 # Push out the expiry of live leases (XX: a lease already reaped stays gone). ARGV is variadic: the two named
 # values, then every lease id (see `RedisState.renew_leases`).

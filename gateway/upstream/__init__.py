@@ -1,1 +1,1 @@
-"""Where requests go: pools, instances, breakers, the prefix index, the HTTP/1.1 client."""
+"""Where requests go: pools, instances, breakers, the prefix index, the upstream HTTP client (aiohttp)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from tokenweir.common.logging import get_logger
 from tokenweir.common.text import prefix_hash
 from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.upstream.http1 import HTTP1Pool, request_json
+from tokenweir.gateway.upstream.client import UpstreamClient, request_json
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies import routing
 
@@ -270,7 +270,7 @@ class Upstreams:
             hop.instance.index.record(hop.instance.name, hashes)
 
     # --- load poller --------------------------------------------------------------------------------------
-    def start(self, client: HTTP1Pool) -> None:
+    def start(self, client: UpstreamClient) -> None:
         if any(i.cfg.engine for p in self.pools.values() for i in p.instances):
             self._poller = asyncio.create_task(self._poll_forever(client))
 
@@ -279,14 +279,14 @@ class Upstreams:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
 
-    async def _poll_forever(self, client: HTTP1Pool) -> None:
+    async def _poll_forever(self, client: UpstreamClient) -> None:
         engines = [i for p in self.pools.values() for i in p.instances if i.cfg.engine]
         while True:
             await asyncio.gather(*(self._poll(client, i) for i in engines))
             await asyncio.sleep(self.poll_interval_s)
 
     @staticmethod
-    async def _poll(client: HTTP1Pool, inst: Instance) -> None:
+    async def _poll(client: UpstreamClient, inst: Instance) -> None:
         sent = time.monotonic()
         query = ""
         if inst.evicted_seq is not None and inst.evicted_epoch is not None:
@@ -302,7 +302,7 @@ class Upstreams:
                 inst.max_model_len = await _model_len(client, inst)
 
 
-async def _model_len(client: HTTP1Pool, inst: Instance) -> int | None:
+async def _model_len(client: UpstreamClient, inst: Instance) -> int | None:
     """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
     models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models", headers=inst.auth_headers())
     data = models.get("data") if isinstance(models, dict) else None

@@ -12,10 +12,11 @@ from datetime import UTC, datetime
 import pytest
 
 from tests.support.state import NOW, URL, Clock
+from tokenweir.gateway.state.backend import Lease
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
-from tokenweir.policies.limits import TeamLimits
+from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import Prices, femtos_to_usd
 
 
@@ -278,6 +279,71 @@ async def test_concurrency_slots(backend):
     assert all([await a.acquire_slot("u", None) for _ in range(50)])
     with pytest.raises(AssertionError):
         await a.release_slot("never-acquired")
+
+
+async def in_flight_and_holds(state, key_id=None) -> tuple[int, int, int]:
+    snap = await state.snapshot("t", now=NOW, key_id=key_id)
+    return snap["in_flight"], snap["open_reservations"], snap["reserved_tokens"]
+
+
+async def test_a_reservation_and_its_lease_are_taken_and_given_back_together(backend):
+    a, b = backend
+    limits = TeamLimits(tokens_per_day=1000, max_concurrency=2)
+    lease = Lease("lease-1", max_concurrency=2)
+    res, got = await a.reserve_and_acquire("t", limits, 10, 90, now=NOW, lease=lease)
+    assert got and res.tokens == 100
+    assert await in_flight_and_holds(b) == (1, 1, 100)
+    settled = await a.settle_and_release(res, 10, 30, now=NOW, cost=7, lease=lease)
+    assert settled.settled and settled.actual_tokens == 40 and settled.actual_cost == 7
+    assert await in_flight_and_holds(b) == (0, 0, 0)
+    assert (await b.snapshot("t", now=NOW))["spent_today"] == 40
+    await b.settle_and_release(res, 10, 90, now=NOW)  # a second settle changes nothing
+    assert (await a.snapshot("t", now=NOW))["spent_today"] == 40
+
+
+async def test_a_full_slot_leaves_the_reservation_taken_and_takes_no_lease(backend):
+    a, b = backend
+    limits = TeamLimits(tokens_per_day=1000, max_concurrency=1)
+    first, got = await a.reserve_and_acquire("t", limits, 10, 10, now=NOW, lease=Lease("l1", max_concurrency=1))
+    assert got
+    second, got = await b.reserve_and_acquire("t", limits, 10, 10, now=NOW, lease=Lease("l2", max_concurrency=1))
+    assert not got and not second.settled  # refused by its caller, which then settles it at nothing
+    assert await in_flight_and_holds(a) == (1, 2, 40)
+    await b.settle_and_release(second, 0, 0, now=NOW)
+    assert await in_flight_and_holds(a) == (1, 1, 20)
+    await a.settle_and_release(first, 10, 10, now=NOW, lease=Lease("l1"))
+    assert (await b.reserve_and_acquire("t", limits, 1, 1, now=NOW, lease=Lease("l3", max_concurrency=1)))[1]
+
+
+async def test_a_refused_reservation_takes_no_lease(backend):
+    a, _ = backend
+    with pytest.raises(Rejected):
+        await a.reserve_and_acquire("t", TeamLimits(tokens_per_day=10), 10, 10, now=NOW, lease=Lease("l1"))
+    assert await in_flight_and_holds(a) == (0, 0, 0)
+
+
+async def test_the_tighter_of_the_team_and_key_concurrency_caps_wins(backend):
+    a, _ = backend
+    team, key = TeamLimits(max_concurrency=3), KeyLimits(max_concurrency=1)
+    k_lease = [Lease(f"k{i}", "k", 3, 1) for i in range(2)]
+    got = [(await a.reserve_and_acquire("t", team, 1, 1, now=NOW, key_id="k", key_limits=key, lease=lease))[1]
+           for lease in k_lease]  # fmt: skip
+    assert got == [True, False]  # the key is full, its team is not
+    assert [(await a.reserve_and_acquire("t", team, 1, 1, now=NOW, lease=Lease(f"t{i}", None, 3)))[1]
+            for i in range(3)] == [True, True, False]  # fmt: skip
+    assert (await in_flight_and_holds(a))[0] == 3 and (await in_flight_and_holds(a, "k"))[0] == 1
+
+
+async def test_concurrent_reserve_and_acquire_take_exactly_the_free_slots(backend):
+    limits = TeamLimits(max_concurrency=7)
+
+    async def one(i):
+        lease = Lease(f"l{i}", max_concurrency=7)
+        _, got = await backend[i % 2].reserve_and_acquire("t", limits, 1, 1, now=NOW, lease=lease)
+        return got
+
+    assert sum(await asyncio.gather(*(one(i) for i in range(40)))) == 7
+    assert await in_flight_and_holds(backend[0]) == (7, 40, 80)
 
 
 async def test_snapshot_of_an_unknown_team_is_zero(backend):

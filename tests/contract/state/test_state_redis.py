@@ -10,6 +10,7 @@ import random
 import pytest
 
 from tests.support.state import NOW, URL, Clock
+from tokenweir.gateway.state.backend import Lease, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
@@ -103,10 +104,11 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
     once in Python (policies.rate: SlidingWindow, slot_index, oldest_counted_slot, slot_leaves_window_s;
     policies.budget: Budget, period_bounds; views from policies.snapshot). Random traffic must get the same
     decisions, headers and counters from both, for a team alone and for a key with limits of its own under it
-    (token and spend budgets)."""
+    (token and spend budgets). Half the reservations take a concurrency lease with them (reserve_and_acquire, given
+    back by settle_and_release): the slot decisions must agree too."""
     rng = random.Random(seed)
-    # holds outlive the run: reaping a dead replica's holds is Redis's alone (tested above), not arithmetic to compare
-    redis_state, memory = RedisState(URL, prefix=redis_prefix, hold_s=3600), InMemoryState()
+    # holds and leases outlive the run: reaping a dead replica's is Redis's alone (tested above), not arithmetic
+    redis_state, memory = RedisState(URL, prefix=redis_prefix, hold_s=3600, lease_s=3600), InMemoryState()
     limits = TeamLimits(rpm=40, tpm=3000, tokens_per_day=5000, tokens_per_month=8000, usd_per_month=0.6)
     # half the requests come with a key whose own limits are tighter in some dimensions: either may say no
     key_limits = KeyLimits(rpm=10, tpm=2500, tokens_per_day=2000, usd_per_day=0.15)
@@ -115,36 +117,78 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
     for _ in range(120):
         now += rng.random() * 2
         if held and rng.random() < 0.4:
-            r1, r2 = held.pop(rng.randrange(len(held)))
+            r1, r2, lease = held.pop(rng.randrange(len(held)))
             prompt, completion = rng.randint(0, 50), rng.randint(0, 200)
             cost = rng.randint(0, 30_000 * 10**9)  # exact femto-USD: its part below a micro-dollar carries too
-            await redis_state.settle(r1, prompt, completion, now=now, cost=cost)
-            await memory.settle(r2, prompt, completion, now=now, cost=cost)
+            await redis_state.settle_and_release(r1, prompt, completion, now=now, cost=cost, lease=lease)
+            await memory.settle_and_release(r2, prompt, completion, now=now, cost=cost, lease=lease)
             continue
         prompt, max_tokens, cost = rng.randint(1, 80), rng.randint(1, 200), rng.randint(0, 20_000)
         key = {"key_id": "k", "key_limits": key_limits} if keyed and rng.random() < 0.5 else {}
+        # the key's own slot (at most 2) where the request comes with the key, the team's (at most 4) always
+        lease = Lease(f"lease-{len(held)}-{now!r}", key.get("key_id"), 4, 2) if rng.random() < 0.5 else None
         outcomes = []
         for state in (redis_state, memory):
             try:
-                outcomes.append(await state.reserve("t", limits, prompt, max_tokens, now=now, cost=cost, **key))
+                call = {"now": now, "cost": cost, **key}
+                if lease is None:
+                    outcomes.append((await state.reserve("t", limits, prompt, max_tokens, **call), False))
+                else:
+                    outcomes.append(
+                        await state.reserve_and_acquire("t", limits, prompt, max_tokens, lease=lease, **call)
+                    )
             except Rejected as err:
-                outcomes.append(err)
-        r1, r2 = outcomes
-        assert type(r1) is type(r2)
+                outcomes.append((err, False))
+        (r1, got1), (r2, got2) = outcomes
+        assert type(r1) is type(r2) and got1 == got2
         if isinstance(r1, Rejected):
             assert (r1.reason, r1.retry_after_s, r1.message) == (r2.reason, r2.retry_after_s, r2.message)
         else:
             assert r1.headers == r2.headers
-            held.append((r1, r2))
+            held.append((r1, r2, lease if got1 else None))
     for key_id in ("k", None) if keyed else (None,):
         a = await redis_state.snapshot("t", now=now, key_id=key_id)
         b = await memory.snapshot("t", now=now, key_id=key_id)
-        for name in ("reserved_tokens", "open_reservations", "requests_last_minute", "tokens_last_minute"):
+        for name in ("reserved_tokens", "open_reservations", "requests_last_minute", "tokens_last_minute", "in_flight"):
             assert a[name] == b[name], name
         for name in ("spent", "reserved", "remaining", "overshoot"):
             for period in ("day", "month", "day_usd", "month_usd"):
                 assert a[period][name] == b[period][name], (key_id, period, name)
     await redis_state.close()
+
+
+async def test_a_reserve_and_acquire_whose_answer_was_lost_is_undone_with_its_lease(replicas):
+    (a, b), _ = replicas
+    gone = RedisState(f"{URL.rsplit(':', 1)[0]}:1/0", timeout_s=0.2, pool_timeout_s=0.2)  # nothing listens on :1
+    with pytest.raises(StateUnavailable) as lost:
+        await gone.reserve_and_acquire("t", TeamLimits(), 5, 10, key_id="k", lease=Lease("L0", "k", 1, 1))
+    release = {"op": "release_slot", "team_id": "t", "lease_id": "L0", "key_id": "k"}
+    assert lost.value.pending is not None and lost.value.pending["release"] == release
+    await gone.close()
+    # what the outbox then replays gives back both, wherever the answer was lost
+    limits = TeamLimits(tokens_per_day=100, max_concurrency=1)
+    res, got = await a.reserve_and_acquire("t", limits, 5, 10, now=NOW, key_id="k", lease=Lease("L1", "k", 1, 1))
+    assert got
+    undo = {"op": "settle", "team_id": "t", "res_id": res.backend_id, "tokens": 0, "now": NOW, "key_id": "k"}
+    await b.replay(undo | {"cost": 0, "release": Lease("L1", "k").release_op("t")})
+    snaps = [await b.snapshot("t", now=NOW), await b.snapshot("t", now=NOW, key_id="k")]
+    assert [(s["in_flight"], s["open_reservations"], s["reserved_tokens"]) for s in snaps] == [(0, 0, 0)] * 2
+
+
+async def test_a_lease_taken_with_its_reservation_is_renewed_until_settled(redis_prefix):
+    state = RedisState(URL, prefix=redis_prefix, lease_s=0.15)  # real clock; renewed every 50 ms
+    other = RedisState(URL, prefix=redis_prefix, lease_s=0.15)
+    limits = TeamLimits(max_concurrency=1)
+    res, got = await state.reserve_and_acquire("t", limits, 1, 1, lease=Lease("L", None, 1))
+    assert got
+    await asyncio.sleep(0.35)  # over two leases later the slot is still held: no one else gets it
+    assert not await other.acquire_slot("t", 1)
+    await state.settle_and_release(res, 1, 1, lease=Lease("L"))
+    assert state.leases == {}
+    assert await other.acquire_slot("t", 1)
+    await other.release_slot("t")
+    await state.close()
+    await other.close()
 
 
 async def test_background_renewal_keeps_live_leases_past_their_first_expiry(redis_prefix):

@@ -170,7 +170,7 @@ class _Client:
 
 
 async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
-    from tokenweir.gateway.upstream.http1 import HTTPError
+    from tokenweir.gateway.upstream.client import HTTPError
 
     replicas, upstreams, metrics = _replicas(tmp_path)
     e0 = upstreams.get("smollm2-135m").instances[0]

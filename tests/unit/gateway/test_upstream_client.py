@@ -1,4 +1,4 @@
-"""The upstream HTTP/1.1 client through proxies: HTTP_PROXY / HTTPS_PROXY / NO_PROXY, absolute-form targets,
+"""The upstream HTTP client through proxies: HTTP_PROXY / HTTPS_PROXY / NO_PROXY, absolute-form targets,
 CONNECT tunnels with TLS inside. Real sockets: a tiny forward proxy and upstreams on 127.0.0.1:<free port>."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tokenweir.gateway.upstream.http1 import HTTP1Pool, HTTPError
+from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
@@ -117,9 +117,9 @@ class Proxy:
             writer.write(f"{status}\r\ncontent-length: {len(up_body)}\r\n\r\n".encode() + up_body)
 
 
-async def get(pool: HTTP1Pool, url: str, method: str = "GET", body: bytes = b"") -> tuple[int, bytes]:
+async def get(client: UpstreamClient, url: str, method: str = "GET", body: bytes = b"") -> tuple[int, bytes]:
     async with asyncio.timeout(2):
-        r = await pool.request(method, url, body)
+        r = await client.request(method, url, body)
         try:
             return r.status_code, await r.read()
         finally:
@@ -130,11 +130,11 @@ async def test_http_proxy_gets_absolute_form_targets_with_credentials_and_connec
     proxy = Proxy()
     async with serve(upstream) as up, serve(proxy) as pp:
         monkeypatch.setenv("HTTP_PROXY", f"http://bob:p%40ss@127.0.0.1:{pp}")
-        pool = HTTP1Pool()
-        monkeypatch.delenv("HTTP_PROXY")  # read once, when the pool was made
-        assert await get(pool, f"http://upstream.test:{up}/v1/x?q=1", "POST", b"{}") == (200, b"ok")
-        assert await get(pool, f"http://upstream.test:{up}/v1/y?q=2", "POST", b"{}") == (200, b"ok")
-        await pool.aclose()
+        client = UpstreamClient()
+        monkeypatch.delenv("HTTP_PROXY")  # read once, when the client was made
+        assert await get(client, f"http://upstream.test:{up}/v1/x?q=1", "POST", b"{}") == (200, b"ok")
+        assert await get(client, f"http://upstream.test:{up}/v1/y?q=2", "POST", b"{}") == (200, b"ok")
+        await client.aclose()
     assert proxy.lines == [
         f"POST http://upstream.test:{up}/v1/x?q=1 HTTP/1.1",
         f"POST http://upstream.test:{up}/v1/y?q=2 HTTP/1.1",
@@ -152,21 +152,21 @@ async def test_no_proxy_hosts_go_direct(monkeypatch, no_proxy, host):
     async with serve(upstream) as up, serve(proxy) as pp:
         monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{pp}")  # lowercase variants count too
         monkeypatch.setenv("no_proxy", no_proxy)
-        pool = HTTP1Pool()
-        assert await get(pool, f"http://{host}:{up}/health") == (200, b"ok")
-        await pool.aclose()
+        client = UpstreamClient()
+        assert await get(client, f"http://{host}:{up}/health") == (200, b"ok")
+        await client.aclose()
     assert proxy.lines == []
 
 
 async def test_no_proxy_domain_suffixes_and_trust_env_false(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
     monkeypatch.setenv("NO_PROXY", ".example.com, internal.net")
-    pool = HTTP1Pool()
-    assert pool._proxy_for("http", "api.example.com:8000") is None
-    assert pool._proxy_for("http", "a.internal.net") is None
-    assert pool._proxy_for("http", "example.org") == ("proxy.internal", 3128, None)
-    assert pool._proxy_for("https", "example.org") is None  # no HTTPS_PROXY
-    assert HTTP1Pool(trust_env=False)._proxy_for("http", "example.org") is None
+    client = UpstreamClient()
+    assert client._proxy_for("http", "api.example.com:8000") is None
+    assert client._proxy_for("http", "a.internal.net") is None
+    assert client._proxy_for("http", "example.org") == ("proxy.internal", 3128, None)
+    assert client._proxy_for("https", "example.org") is None  # no HTTPS_PROXY
+    assert UpstreamClient(trust_env=False)._proxy_for("http", "example.org") is None
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +194,10 @@ async def test_https_goes_through_a_connect_tunnel_with_tls_to_the_target(monkey
     proxy = Proxy()
     async with serve(upstream, server_ctx) as up, serve(proxy) as pp:
         monkeypatch.setenv("HTTPS_PROXY", f"http://u:pw@127.0.0.1:{pp}")
-        pool = HTTP1Pool(ssl_context=client_ctx)
-        assert await get(pool, f"https://upstream.test:{up}/v1/x", "POST", b"{}") == (200, b"ok")
-        assert await get(pool, f"https://upstream.test:{up}/v1/y", "POST", b"{}") == (200, b"ok")
-        await pool.aclose()
+        client = UpstreamClient(ssl_context=client_ctx)
+        assert await get(client, f"https://upstream.test:{up}/v1/x", "POST", b"{}") == (200, b"ok")
+        assert await get(client, f"https://upstream.test:{up}/v1/y", "POST", b"{}") == (200, b"ok")
+        await client.aclose()
     assert proxy.lines == [f"CONNECT upstream.test:{up} HTTP/1.1"]  # one tunnel, reused; the requests inside
     assert proxy.headers[0]["proxy-authorization"] == "Basic " + base64.b64encode(b"u:pw").decode()
 
@@ -206,10 +206,10 @@ async def test_a_refused_connect_is_an_http_error(monkeypatch, tls):
     proxy = Proxy(refuse=b"HTTP/1.1 407 Proxy Authentication Required\r\ncontent-length: 0\r\n\r\n")
     async with serve(proxy) as pp:
         monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{pp}")
-        pool = HTTP1Pool(ssl_context=tls[1])
+        client = UpstreamClient(ssl_context=tls[1])
         with pytest.raises(HTTPError, match="407"):
-            await get(pool, "https://upstream.test:443/v1/x")
-        await pool.aclose()
+            await get(client, "https://upstream.test:443/v1/x")
+        await client.aclose()
     assert proxy.lines == ["CONNECT upstream.test:443 HTTP/1.1"]
 
 
@@ -222,15 +222,16 @@ async def test_tls_inside_the_tunnel_is_really_negotiated(monkeypatch, tls):
     proxy = Proxy()
     async with serve(plain) as up, serve(proxy) as pp:
         monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{pp}")
-        pool = HTTP1Pool(ssl_context=tls[1])
+        client = UpstreamClient(ssl_context=tls[1])
         with pytest.raises(HTTPError, match="SSL"):
-            await get(pool, f"https://upstream.test:{up}/v1/x")
-        await pool.aclose()
+            await get(client, f"https://upstream.test:{up}/v1/x")
+        await client.aclose()
     assert proxy.lines == [f"CONNECT upstream.test:{up} HTTP/1.1"]
 
 
 async def test_an_unsupported_proxy_scheme_is_an_http_error(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "socks5://127.0.0.1:1080")
-    pool = HTTP1Pool()
+    client = UpstreamClient()
     with pytest.raises(HTTPError, match="only http:// proxies"):
-        await pool.request("GET", "http://upstream.test/health")
+        await client.request("GET", "http://upstream.test/health")
+    await client.aclose()
