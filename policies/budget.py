@@ -23,9 +23,20 @@ def _utc(now: float) -> datetime:
     return datetime.fromtimestamp(now, tz=UTC)
 
 
+# The last day's [start, end) and key: strftime once a day, not on every request that files usage.
+_last_day: tuple[float, float, str] = (0.0, 0.0, "")
+
+
 def day_key(now: float) -> str:
     """'YYYY-MM-DD' in UTC: the same key as the store's usage rows."""
-    return _utc(now).strftime("%Y-%m-%d")
+    global _last_day
+    start, end, key = _last_day
+    if start <= now < end:
+        return key
+    key = _utc(now).strftime("%Y-%m-%d")
+    start, end = period_bounds(DAY, now)
+    _last_day = (start, end, key)
+    return key
 
 
 def month_key(now: float) -> str:

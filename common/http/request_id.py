@@ -4,7 +4,7 @@ the gateway kept but the engine replaced could not be aborted, and its tokens wo
 
 from __future__ import annotations
 
-import uuid
+from tokenweir.common.ids import random_hex
 
 MAX_REQUEST_ID = 128
 
@@ -18,4 +18,4 @@ def is_sane_request_id(value: str | None) -> bool:
 
 def request_id_from(client_value: str | None, prefix: str = "req-") -> str:
     """The client's id when it is sane, else `prefix` + a fresh uuid."""
-    return client_value if client_value and is_sane_request_id(client_value) else prefix + uuid.uuid4().hex
+    return client_value if client_value and is_sane_request_id(client_value) else prefix + random_hex()

@@ -2,7 +2,49 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+
+
+class _CachedLabels:
+    """`labels(*values)` through a plain dict. prometheus_client's own validates the values, converts each to str
+    and takes a lock on every call: a dozen such calls per request were a visible part of the gateway's CPU. The
+    child is the library's own (made on the first call for these values); `remove` and `clear` forget it here too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._label_cache: dict[tuple, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *values: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            return super().labels(*values, **kwargs)  # type: ignore[misc]
+        child = self._label_cache.get(values)
+        if child is None:
+            child = self._label_cache[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self._label_cache.clear()
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._label_cache.clear()
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_CachedLabels, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_CachedLabels, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, prometheus_client.Histogram):
+    pass
+
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

@@ -21,7 +21,6 @@ the shared state when it returns (through the outbox).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable
 from typing import Any
 
@@ -30,6 +29,7 @@ from fastapi.responses import Response
 
 from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.http.errors import APIError
+from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
@@ -260,7 +260,7 @@ class Admission:
         """The request's concurrency lease: the team's slot, and the key's own where the key has a cap."""
         key_max = ctx.key_limits.max_concurrency if ctx.key_limits is not None else None
         key_id = ctx.key_id if key_max is not None else None  # a key without a cap of its own takes no key slot
-        return Lease(uuid.uuid4().hex, key_id, ctx.limits.max_concurrency, key_max)
+        return Lease(random_hex(), key_id, ctx.limits.max_concurrency, key_max)
 
     def give_back(self, taken: tuple[Reservation, bool], lease: Lease) -> Awaitable[Reservation]:
         """Undo a reserve_and_acquire whose caller left: the hold settled at nothing, the lease back if it was taken."""

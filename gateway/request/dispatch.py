@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 from fastapi.responses import Response
 from starlette.types import Send
 
 from tokenweir.common.http.errors import APIError
+from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
@@ -66,7 +66,7 @@ class Dispatcher:
             ctx.route.append(hop.label)
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
             ctx.served_model = hop.model
-            ctx.upstream_id = "tw-" + uuid.uuid4().hex
+            ctx.upstream_id = "tw-" + random_hex()
             self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
             hop.instance.take(time.monotonic())
             self.upstreams.record(hop, hashes)

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from tokenweir.common.http.errors import APIError
+from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import relay
-from tokenweir.gateway.request.background import BackgroundTasks
+from tokenweir.gateway.request.background import BackgroundTasks, Done
 from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope, clip
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
@@ -144,7 +144,7 @@ class Settler:
             await self.state_change(settle, ctx)
             if ctx.local_state and self.outbox is not None:
                 # Admitted while the shared state was away: its spend reaches the shared budgets when it returns.
-                op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + uuid.uuid4().hex}
+                op = {"op": "settle", "team_id": ctx.team_id, "res_id": "local-" + random_hex()}
                 key_id = ctx.reservation.key_id
                 self.outbox.put(op | {"tokens": prompt + completion, "now": ts, "key_id": key_id, "cost": cost or 0})
         try:
@@ -211,11 +211,15 @@ class Settler:
         except Exception:  # noqa: BLE001
             log.exception("state_change_failed", request_id=ctx.request_id)
 
-    async def take(self, call: Awaitable[T], give_back: Callable[[T], Awaitable[object]], ctx: RequestContext) -> T:
+    async def take(
+        self, call: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[object]], ctx: RequestContext
+    ) -> T:
         """Await a state call that takes something (a hold, a slot). If the client leaves meanwhile, the call still
         completes, and what it took is given back: a cancelled round trip must not leave a hold or a lease
-        behind until its expiry."""
-        task = self.background.spawn(call)
+        behind until its expiry. (A call that completes without suspending, in-memory state's, cannot be left.)"""
+        task = self.background.start(call)
+        if isinstance(task, Done):
+            return task.value
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

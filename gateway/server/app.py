@@ -40,6 +40,7 @@ from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import open_scope, request_scope
 from tokenweir.gateway.request.inflight import recover
 from tokenweir.gateway.request.queue import DispatchQueue
+from tokenweir.gateway.server.lane import GatewayApp, InferenceLane
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
 from tokenweir.gateway.server.services import Services, services_of
@@ -144,7 +145,7 @@ def create_app(
                 st.close()
             log.info("gateway_stopped")
 
-    app = FastAPI(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(probes_router)
     app.include_router(router)
     app.include_router(admin_router)
@@ -153,6 +154,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
+    app.lane = RequestMiddleware(InferenceLane(app, _api_error_handler), max_body_bytes=config.max_body_bytes)
     return app
 
 

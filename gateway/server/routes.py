@@ -18,12 +18,12 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.models import ErrorBody
 from tokenweir.gateway.auth.authenticator import Principal
 from tokenweir.gateway.openai.body import check_body, orjson_body
-from tokenweir.gateway.openai.endpoints import KIND_PATHS
+from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
 from tokenweir.gateway.openai.schema import CHAT, COMPLETION, EMBEDDING
 from tokenweir.gateway.request.context import request_scope
 from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.me import key_info
-from tokenweir.gateway.server.services import ServicesDep
+from tokenweir.gateway.server.services import Services, ServicesDep
 
 router = APIRouter()
 
@@ -144,35 +144,38 @@ def _inference_doc(schema: TypeAdapter, answer: type[BaseModel], stream: bool = 
 # --- routes -----------------------------------------------------------------------------------------------------
 
 
-async def parse_body(request: Request, schema: TypeAdapter) -> dict:
+_SCHEMAS: dict[InferenceKind, TypeAdapter] = {"chat": CHAT, "completions": COMPLETION, "embeddings": EMBEDDING}
+
+
+async def inference_response(request: Request, services: Services, principal: Principal, kind: InferenceKind):
+    """The body read, parsed once and validated, then the admission pipeline's answer. Called by the routes below
+    and by the inference lane (gateway/server/lane.py), which serves these paths ahead of FastAPI's router."""
     raw = await request.body()
     data = orjson_body(raw)
     request_scope(request).model = data.get("model")  # for the event of a request refused before admission
-    return check_body(data, raw, schema)
+    body = check_body(data, raw, _SCHEMAS[kind])
+    return await services.admission.handle(request, principal, body, kind)
 
 
 @router.post(KIND_PATHS["chat"], summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))
 async def chat_completions(
     request: Request, services: ServicesDep, principal: Principal = Depends(require_key)
 ) -> Response:
-    body = await parse_body(request, CHAT)
-    return await services.admission.handle(request, principal, body, "chat")
+    return await inference_response(request, services, principal, "chat")
 
 
 @router.post(
     KIND_PATHS["completions"], summary="Create a text completion", **_inference_doc(COMPLETION, TextCompletion)
 )
 async def completions(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
-    body = await parse_body(request, COMPLETION)
-    return await services.admission.handle(request, principal, body, "completions")
+    return await inference_response(request, services, principal, "completions")
 
 
 @router.post(
     KIND_PATHS["embeddings"], summary="Create embeddings", **_inference_doc(EMBEDDING, EmbeddingList, stream=False)
 )
 async def embeddings(request: Request, services: ServicesDep, principal: Principal = Depends(require_key)) -> Response:
-    body = await parse_body(request, EMBEDDING)
-    return await services.admission.handle(request, principal, body, "embeddings")
+    return await inference_response(request, services, principal, "embeddings")
 
 
 @router.get(

@@ -9,7 +9,6 @@ number of concurrent reserves admit exactly what the limits allow. The method se
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -101,7 +100,6 @@ def _resize(window: SlidingWindow | None, limit: int | None) -> SlidingWindow | 
 class InMemoryState:
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
-        self._lock = asyncio.Lock()
         self._teams: dict[str, _Team] = {}
         self._keys: dict[str, _Team] = {}  # API keys' own counters, by key id
 
@@ -133,54 +131,58 @@ class InMemoryState:
         budgets), from the team and, given key_id, the key: all or nothing."""
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         n = prompt_tokens + max_tokens
-        async with self._lock:
-            now = self._clock() if now is None else now
-            subjects: list[tuple[_Team, TeamLimits | KeyLimits]] = [(self._team(team_id), limits)]
-            # A key without limits is still counted: a limit added later must see what it already spent.
-            counted_key = key_id
-            if counted_key is not None:
-                subjects.append((self._key(counted_key), key_limits or _NO_KEY_LIMITS))
-            for subject, subject_limits in subjects:
-                subject.sync_limits(subject_limits)
-            headers = _merged_headers([s for s, _ in subjects], now)
-            for i, (subject, _) in enumerate(subjects):
-                try:
-                    self._check(subject, n, cost, now, headers)
-                except Rejected as r:
-                    raise (as_key_rejection(r) if i else r) from None
-            day_key = month_key = ""
-            for subject, _ in subjects:
-                if subject.rpm is not None:
-                    subject.rpm.add(1, now)
-                if subject.tpm is not None:
-                    subject.tpm.add(n, now)
-                day_key = subject.day.reserve(n, now)
-                month_key = subject.month.reserve(n, now)
-                subject.day_cost.reserve(cost, now)
-                subject.month_cost.reserve(cost, now)
-                subject.reserved_tokens += n
-                subject.open_reservations += 1
-            headers = _merged_headers([s for s, _ in subjects], now)
-            return Reservation(team_id, n, now, day_key, month_key, headers=headers, key_id=counted_key, cost=cost)
+        # No await from here to the return: atomic on the event loop, as the Redis backend's scripts are on Redis.
+        now = self._clock() if now is None else now
+        subjects: list[tuple[_Team, TeamLimits | KeyLimits]] = [(self._team(team_id), limits)]
+        # A key without limits is still counted: a limit added later must see what it already spent.
+        counted_key = key_id
+        if counted_key is not None:
+            subjects.append((self._key(counted_key), key_limits or _NO_KEY_LIMITS))
+        for subject, subject_limits in subjects:
+            subject.sync_limits(subject_limits)
+        for i, (subject, _) in enumerate(subjects):
+            try:
+                self._check(subject, n, cost, now, [s for s, _ in subjects])
+            except Rejected as r:
+                raise (as_key_rejection(r) if i else r) from None
+        day_key = month_key = ""
+        for subject, _ in subjects:
+            if subject.rpm is not None:
+                subject.rpm.add(1, now)
+            if subject.tpm is not None:
+                subject.tpm.add(n, now)
+            day_key = subject.day.reserve(n, now)
+            month_key = subject.month.reserve(n, now)
+            subject.day_cost.reserve(cost, now)
+            subject.month_cost.reserve(cost, now)
+            subject.reserved_tokens += n
+            subject.open_reservations += 1
+        headers = _merged_headers([s for s, _ in subjects], now)
+        return Reservation(team_id, n, now, day_key, month_key, headers=headers, key_id=counted_key, cost=cost)
 
-    def _check(self, team: _Team, n: int, cost: int, now: float, headers: dict[str, str]) -> None:
+    def _check(self, team: _Team, n: int, cost: int, now: float, subjects: list[_Team]) -> None:
+        """Refuse what does not fit `team`; a refusal carries the x-ratelimit-* headers of all `subjects`."""
         if team.rpm is not None and not team.rpm.fits(1, now):
             wait = team.rpm.wait_s(1, now)
+            headers = _merged_headers(subjects, now)
             raise rate_rejection("requests", team.rpm.limit, team.rpm.remaining(now), 1, wait, headers)
         if team.tpm is not None and not team.tpm.fits(n, now):
             wait = team.tpm.wait_s(n, now)
+            headers = _merged_headers(subjects, now)
             raise rate_rejection("tokens", team.tpm.limit, team.tpm.remaining(now), n, wait, headers)
         for budget in (team.day, team.month):
             if not budget.fits(n, now):
                 reset = seconds_until_reset(budget.period, now)
                 limit, remaining = budget.limit, budget.remaining(now)
                 assert limit is not None and remaining is not None  # an unlimited budget fits anything
+                headers = _merged_headers(subjects, now)
                 raise budget_rejection(budget.period, limit, remaining, n, reset, headers)
         for budget in (team.day_cost, team.month_cost):
             if not budget.fits(cost, now):
                 reset = seconds_until_reset(budget.period, now)
                 limit, remaining = budget.limit, budget.remaining(now)
                 assert limit is not None and remaining is not None  # an unlimited budget fits anything
+                headers = _merged_headers(subjects, now)
                 raise spend_rejection(budget.period, limit, remaining, cost, reset, headers)
 
     async def settle(
@@ -195,30 +197,29 @@ class InMemoryState:
         """Turn the hold into actual spend on every subject it took from, refunding the unused part. A second
         settle changes nothing."""
         assert prompt_tokens >= 0 and completion_tokens >= 0 and cost >= 0
-        async with self._lock:
-            if reservation.settled:
-                return reservation
-            now = self._clock() if now is None else now
-            actual = prompt_tokens + completion_tokens
-            subjects = [self._team(reservation.team_id)]
-            if reservation.key_id is not None:
-                subjects.append(self._key(reservation.key_id))
-            team_overshoot = 0
-            for i, subject in enumerate(subjects):
-                if subject.tpm is not None:
-                    if actual < reservation.tokens:
-                        subject.tpm.refund(reservation.tokens - actual, reservation.taken_at, now)
-                    elif actual > reservation.tokens:
-                        subject.tpm.add(actual - reservation.tokens, now)
-                subject.day.settle(reservation.day_key, reservation.tokens, actual, now)
-                overshoot = subject.month.settle(reservation.month_key, reservation.tokens, actual, now)
-                subject.day_cost.settle(reservation.day_key, reservation.cost, cost, now)
-                subject.month_cost.settle(reservation.month_key, reservation.cost, cost, now)
-                subject.reserved_tokens = max(0, subject.reserved_tokens - reservation.tokens)
-                subject.open_reservations -= 1
-                if i == 0:
-                    team_overshoot = overshoot
-            return reservation.mark_settled(actual, cost, team_overshoot)
+        if reservation.settled:
+            return reservation
+        now = self._clock() if now is None else now
+        actual = prompt_tokens + completion_tokens
+        subjects = [self._team(reservation.team_id)]
+        if reservation.key_id is not None:
+            subjects.append(self._key(reservation.key_id))
+        team_overshoot = 0
+        for i, subject in enumerate(subjects):
+            if subject.tpm is not None:
+                if actual < reservation.tokens:
+                    subject.tpm.refund(reservation.tokens - actual, reservation.taken_at, now)
+                elif actual > reservation.tokens:
+                    subject.tpm.add(actual - reservation.tokens, now)
+            subject.day.settle(reservation.day_key, reservation.tokens, actual, now)
+            overshoot = subject.month.settle(reservation.month_key, reservation.tokens, actual, now)
+            subject.day_cost.settle(reservation.day_key, reservation.cost, cost, now)
+            subject.month_cost.settle(reservation.month_key, reservation.cost, cost, now)
+            subject.reserved_tokens = max(0, subject.reserved_tokens - reservation.tokens)
+            subject.open_reservations -= 1
+            if i == 0:
+                team_overshoot = overshoot
+        return reservation.mark_settled(actual, cost, team_overshoot)
 
     async def reserve_and_acquire(
         self,
@@ -233,8 +234,8 @@ class InMemoryState:
         cost: int = 0,
         lease: Lease,
     ) -> tuple[Reservation, bool]:
-        """`reserve`, then the lease's slots if it was taken: nothing awaits between the two (the lock is left
-        without yielding and acquire_slot never awaits), so no other request comes between them either."""
+        """`reserve`, then the lease's slots if it was taken: neither awaits anything, so no other request
+        comes between them."""
         reservation = await self.reserve(
             team_id, limits, prompt_tokens, max_tokens, now, key_id=key_id, key_limits=key_limits, cost=cost
         )

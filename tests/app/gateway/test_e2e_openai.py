@@ -298,3 +298,18 @@ async def test_two_teams_sending_one_x_request_id_get_separate_upstream_requests
     assert {e["request_id"] for e in events} == {"shared-by-two-clients"}
     upstream_ids = {e["upstream_request_id"] for e in events}
     assert len(upstream_ids) == 2 and all(stack["fake"].records[u].completion_tokens in (3, 4) for u in upstream_ids)
+
+
+async def test_inference_paths_answer_other_methods_and_are_documented(stack):
+    """The inference POSTs take the app's own lane (gateway/server/lane.py); every other method on those paths, and
+    the OpenAPI document, are still FastAPI's routes."""
+    _, secret, _ = team_client(stack)
+    async with httpx.AsyncClient(base_url=stack["url"]) as http:
+        r = await http.get("/v1/chat/completions", headers={"authorization": f"Bearer {secret}"})
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        doc = (await http.get("/openapi.json")).json()
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            assert "post" in doc["paths"][path] and "requestBody" in doc["paths"][path]["post"]
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["x-request-id"]
