@@ -119,11 +119,8 @@ class Settler:
         lease = None  # its own lease, the one it journaled: given back with the settle below, in one state call
         if ctx.slot:
             ctx.slot = False
-            assert state is not None  # admitted under local limits only where there are some
+            assert ctx.reservation is not None  # a slot is only ever taken with its reservation (Admission.reserve)
             lease = Lease(ctx.slot_lease or "", ctx.slot_key_id)
-            if ctx.reservation is None:  # never so today (the slot is taken with the reservation): released alone
-                release = state.release_slot(ctx.team_id, key_id=ctx.slot_key_id, lease_id=ctx.slot_lease)
-                await self.state_change(release, ctx)
         chunks = stream.chunks if stream is not None else None
         try:
             prompt, completion, cached = self.billable(ctx, chunks)

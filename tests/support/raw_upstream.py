@@ -54,6 +54,20 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
     return head.split(b"\r\n", 1)[0].decode(), await reader.readexactly(length)
 
 
+def answer_then_wait_close(raw: bytes) -> tuple[Handler, asyncio.Event]:
+    """A handler that answers one request with `raw`, then reads until the client closes its socket, and the event
+    it sets then: set = the client did not keep that socket."""
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(raw)
+        await reader.read()
+        closed.set()
+
+    return handle, closed
+
+
 # Malformed or odd answers, each written in one piece. The bad ones must end a call with HTTPError and leave no
 # socket to reuse; the odd but complete ones must be read correctly.
 MALFORMED = {

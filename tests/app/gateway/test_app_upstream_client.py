@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream, free_port
-from tests.support.raw_upstream import OK, read_request, serve
+from tests.support.raw_upstream import OK, answer_then_wait_close, read_request, serve
 from tests.support.serve_thread import ServerThread
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 
@@ -284,13 +284,7 @@ async def test_sockets_that_cannot_carry_another_request_are_not_pooled():
 
 
 async def test_a_bad_content_length_is_an_http_error_and_closes_the_socket():
-    eof = asyncio.Event()
-
-    async def handle(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1x\r\n\r\nok")
-        await reader.read()
-        eof.set()
+    handle, eof = answer_then_wait_close(b"HTTP/1.1 200 OK\r\ncontent-length: 1x\r\n\r\nok")
 
     async with serve(handle) as (url, _):
         client = UpstreamClient(trust_env=False)
@@ -302,13 +296,7 @@ async def test_a_bad_content_length_is_an_http_error_and_closes_the_socket():
 
 
 async def test_idle_sockets_past_keepalive_are_closed_even_if_their_host_is_not_called_again():
-    eof = asyncio.Event()
-
-    async def quiet(reader, writer):
-        await read_request(reader)
-        writer.write(OK)
-        await reader.read()
-        eof.set()
+    quiet, eof = answer_then_wait_close(OK)
 
     async def other(reader, writer):
         while True:
@@ -327,13 +315,7 @@ async def test_idle_sockets_past_keepalive_are_closed_even_if_their_host_is_not_
 
 
 async def test_a_response_finished_after_the_pool_closed_does_not_go_back_into_it():
-    eof = asyncio.Event()
-
-    async def handle(reader, writer):
-        await read_request(reader)
-        writer.write(OK)
-        await reader.read()
-        eof.set()
+    handle, eof = answer_then_wait_close(OK)
 
     async with serve(handle) as (url, _):
         client = UpstreamClient(trust_env=False)

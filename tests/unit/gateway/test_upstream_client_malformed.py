@@ -9,7 +9,7 @@ import asyncio
 import aiohttp.client
 import pytest
 
-from tests.support.raw_upstream import CUT, INTERIM_THEN_OK, MALFORMED, OK, read_request, serve
+from tests.support.raw_upstream import CUT, INTERIM_THEN_OK, MALFORMED, OK, answer_then_wait_close, read_request, serve
 from tokenweir.gateway.upstream import client as client_module
 from tokenweir.gateway.upstream.client import HTTPError, Response, UpstreamClient
 
@@ -129,13 +129,7 @@ async def test_a_call_cancelled_midway_closes_its_socket(where):
 
 
 async def test_a_deadline_mid_body_closes_the_socket():
-    eof = asyncio.Event()
-
-    async def handle(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n")
-        await reader.read()
-        eof.set()
+    handle, eof = answer_then_wait_close(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n")
 
     async with serve(handle) as (url, _):
         client = UpstreamClient(trust_env=False)
@@ -149,13 +143,7 @@ async def test_a_deadline_mid_body_closes_the_socket():
 
 
 async def test_closing_the_client_ends_open_responses_and_is_idempotent():
-    eof = asyncio.Event()
-
-    async def handle(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf")
-        await reader.read()
-        eof.set()
+    handle, eof = answer_then_wait_close(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf")
 
     async with serve(handle) as (url, _):
         client = UpstreamClient(trust_env=False)
