@@ -52,11 +52,12 @@ Call = Callable[[str, bytes, bool], Awaitable[int]]
 Client = tuple[Call, Callable[[], Awaitable[None]]]
 
 
-def gateway_client() -> Client:
-    client = UpstreamClient(trust_env=False)
+def request_call(request: Callable[..., Awaitable[Any]]) -> Call:
+    """A call through a client with the gateway's surface (`request(...)` -> a response with read / aiter_raw /
+    aclose): ours, and the old hand-written one."""
 
     async def call(url: str, content: bytes, stream: bool) -> int:
-        r = await client.request("POST", url, content, HEADERS)
+        r = await request("POST", url, content, HEADERS)
         try:
             if not stream:
                 return len(await r.read())
@@ -64,7 +65,12 @@ def gateway_client() -> Client:
         finally:
             await r.aclose()
 
-    return call, client.aclose
+    return call
+
+
+def gateway_client() -> Client:
+    client = UpstreamClient(trust_env=False)
+    return request_call(client.request), client.aclose
 
 
 def old_http1_client(ref: str) -> Client | None:
@@ -82,17 +88,7 @@ def old_http1_client(ref: str) -> Client | None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     pool = module.HTTP1Pool(trust_env=False)
-
-    async def call(url: str, content: bytes, stream: bool) -> int:
-        r = await pool.request("POST", url, content, HEADERS)
-        try:
-            if not stream:
-                return len(await r.read())
-            return sum([len(part) async for part in r.aiter_raw()])
-        finally:
-            await r.aclose()
-
-    return call, pool.aclose
+    return request_call(pool.request), pool.aclose
 
 
 def httpx_client(client: httpx.AsyncClient) -> Client:

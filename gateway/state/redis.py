@@ -27,12 +27,13 @@ import redis
 import redis.asyncio as aioredis
 
 from tokenweir.gateway.state.backend import Lease, StateUnavailable
-from tokenweir.gateway.state.redis_calls import lim, reserve_call, settle_call
+from tokenweir.gateway.state.redis_calls import PackedCalls, lim
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_leases import LeaseBook
 from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, RESERVE, SETTLE, script_args
 from tokenweir.gateway.state.redis_replies import merged_headers, reserve_rejection, snapshot_view
+from tokenweir.gateway.state.redis_wire import HotScript
 from tokenweir.policies.budget import as_key_rejection
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import split_femtos
@@ -43,6 +44,7 @@ from tokenweir.policies.reservation import Reservation
 # write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
 # closed=True>"), not an OSError.
 REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
+NO_KEY_LIMITS = KeyLimits()  # what a key without limits of its own is counted under
 
 
 class RedisState:
@@ -83,8 +85,10 @@ class RedisState:
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=pool)
-        self._reserve_script = self._redis.register_script(RESERVE)
-        self._settle = self._redis.register_script(SETTLE)
+        # a request's two calls go lean (gateway.state.redis_wire), their arguments packed from caches
+        self._reserve_script = HotScript(self._redis, RESERVE)
+        self._settle = HotScript(self._redis, SETTLE)
+        self._calls = PackedCalls(self._keys)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._lease_book = LeaseBook(self._redis, self._keys, lease_s, clock, REDIS_ERRORS)
         self.live_holds: dict[str, LiveHold] = {}  # by hold id, until settled
@@ -155,15 +159,16 @@ class RedisState:
         assert prompt_tokens >= 0 and max_tokens >= 0 and cost >= 0
         now = self._clock() if now is None else now
         n = prompt_tokens + max_tokens
-        _, _, d, m, *_ = self._keys.period_keys(team_id, now)
+        d, m, _, _ = self._keys.periods(now)
         res_id = uuid.uuid4().hex
         # A key without limits is still counted: a limit added later must see what it already spent.
         counted_key = key_id
-        subjects = [(None, limits)] + ([(counted_key, key_limits or KeyLimits())] if counted_key is not None else [])
-        keys, args = reserve_call(
-            self._keys,
+        counted_limits = None if counted_key is None else key_limits or NO_KEY_LIMITS
+        call = self._calls.reserve(
             team_id,
-            subjects,
+            limits,
+            counted_key,
+            counted_limits,
             now=now,
             tokens=n,
             cost=cost,
@@ -174,7 +179,7 @@ class RedisState:
             lease_s=self.lease_s,
         )
         try:
-            code, detail, which, took_lease, *used = await self._reserve_script(keys=keys, args=args)
+            code, detail, which, took_lease, *used = await self._reserve_script.call(*call)
         except REDIS_ERRORS as e:
             # The hold (and the lease) may have been taken before the answer was lost: a settle of nothing gives
             # it back (and is a no-op if it never was).
@@ -189,11 +194,14 @@ class RedisState:
                 return await self._reserve(team_id, limits, prompt_tokens, max_tokens, now, lease, **key)
             raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
         used = [int(u) for u in used]
-        headers = merged_headers([sub_limits for _, sub_limits in subjects], used, now)
+        subject_limits: list[TeamLimits | KeyLimits] = [limits] if counted_limits is None else [limits, counted_limits]
+        headers = merged_headers(subject_limits, used, now)
         if code != 0:
             i = int(which) - 1  # the subject that said no: 0 the team, 1 the key
             rpm_used, tpm_used = used[2 * i], used[2 * i + 1]
-            rejection = reserve_rejection(int(code), detail, subjects[i][1], rpm_used, tpm_used, n, cost, now, headers)
+            rejection = reserve_rejection(
+                int(code), detail, subject_limits[i], rpm_used, tpm_used, n, cost, now, headers
+            )
             raise as_key_rejection(rejection) if i else rejection
         self.live_holds[res_id] = LiveHold(team_id, counted_key, n, cost, now, d, m)
         if lease is not None and int(took_lease):
@@ -260,8 +268,7 @@ class RedisState:
                     await pipe.execute()
                 return 0
             assert op["op"] == "settle", op
-            keys, args = settle_call(self._keys, op)
-            return int(await self._settle(keys=keys, args=args))
+            return int(await self._settle.call(*self._calls.settle(op)))
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"{op['op']}: {type(e).__name__}: {e}", pending=op) from e
 

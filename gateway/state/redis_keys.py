@@ -24,6 +24,8 @@ class RedisKeyLayout:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        # the UTC day last asked about: [start, end), its day and month keys, the month's end (computed once a day)
+        self._day: tuple[float, float, str, str, float] = (0.0, 0.0, "", "", 0.0)
 
     def key(self, team_id: str, name: str) -> str:
         return f"{self.prefix}:{{{team_id}}}:{name}"
@@ -40,12 +42,19 @@ class RedisKeyLayout:
             keys.append(self.key(team_id, self.subject(key_id) + "slots"))
         return keys
 
+    def periods(self, now: float) -> tuple[str, str, int, int]:
+        """The budget periods at `now`: the day's and the month's keys, and the TTLs of their hashes, kept a day past
+        the period's end so a snapshot at 00:00:01 can still read yesterday's numbers (relative TTLs from the
+        caller's clock, so Redis's own clock never has to agree with ours). The calendar work is done once a day."""
+        start, end, d, m, m_end = self._day
+        if not start <= now < end:
+            start, end = period_bounds(DAY, now)
+            d, m, m_end = day_key(now), month_key(now), period_bounds(MONTH, now)[1]
+            self._day = (start, end, d, m, m_end)
+        return d, m, math.ceil(end - now) + 86400, math.ceil(m_end - now) + 86400
+
     def period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
-        d, m = day_key(now), month_key(now)
-        # kept a day past the period's end so a snapshot at 00:00:01 can still read yesterday's numbers
-        # (relative TTLs from the caller's clock, so Redis's own clock never has to agree with ours)
-        d_exp = math.ceil(period_bounds(DAY, now)[1] - now) + 86400
-        m_exp = math.ceil(period_bounds(MONTH, now)[1] - now) + 86400
+        d, m, d_exp, m_exp = self.periods(now)
         sub = self.subject(key_id)
         return self.key(team_id, f"{sub}day:{d}"), self.key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
 
