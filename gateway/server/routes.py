@@ -147,7 +147,9 @@ def _inference_doc(schema: TypeAdapter, answer: type[BaseModel], stream: bool = 
 _SCHEMAS: dict[InferenceKind, TypeAdapter] = {"chat": CHAT, "completions": COMPLETION, "embeddings": EMBEDDING}
 
 
-async def inference_response(request: Request, services: Services, principal: Principal, kind: InferenceKind):
+async def inference_response(
+    request: Request, services: Services, principal: Principal, kind: InferenceKind
+) -> Response:
     """The body read, parsed once and validated, then the admission pipeline's answer. Called by the routes below
     and by the inference lane (gateway/server/lane.py), which serves these paths ahead of FastAPI's router."""
     raw = await request.body()

@@ -10,6 +10,7 @@ number of concurrent reserves admit exactly what the limits allow. The method se
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenweir.gateway.state.backend import Lease
@@ -140,9 +141,10 @@ class InMemoryState:
             subjects.append((self._key(counted_key), key_limits or _NO_KEY_LIMITS))
         for subject, subject_limits in subjects:
             subject.sync_limits(subject_limits)
-        for i, (subject, _) in enumerate(subjects):
+        counted = [s for s, _ in subjects]
+        for i, subject in enumerate(counted):
             try:
-                self._check(subject, n, cost, now, [s for s, _ in subjects])
+                self._check(subject, n, cost, now, lambda: _merged_headers(counted, now))
             except Rejected as r:
                 raise (as_key_rejection(r) if i else r) from None
         day_key = month_key = ""
@@ -157,33 +159,29 @@ class InMemoryState:
             subject.month_cost.reserve(cost, now)
             subject.reserved_tokens += n
             subject.open_reservations += 1
-        headers = _merged_headers([s for s, _ in subjects], now)
+        headers = _merged_headers(counted, now)
         return Reservation(team_id, n, now, day_key, month_key, headers=headers, key_id=counted_key, cost=cost)
 
-    def _check(self, team: _Team, n: int, cost: int, now: float, subjects: list[_Team]) -> None:
-        """Refuse what does not fit `team`; a refusal carries the x-ratelimit-* headers of all `subjects`."""
+    def _check(self, team: _Team, n: int, cost: int, now: float, headers: Callable[[], dict[str, str]]) -> None:
+        """Refuse what does not fit `team`; a refusal carries `headers()` (built only then: x-ratelimit-*)."""
         if team.rpm is not None and not team.rpm.fits(1, now):
             wait = team.rpm.wait_s(1, now)
-            headers = _merged_headers(subjects, now)
-            raise rate_rejection("requests", team.rpm.limit, team.rpm.remaining(now), 1, wait, headers)
+            raise rate_rejection("requests", team.rpm.limit, team.rpm.remaining(now), 1, wait, headers())
         if team.tpm is not None and not team.tpm.fits(n, now):
             wait = team.tpm.wait_s(n, now)
-            headers = _merged_headers(subjects, now)
-            raise rate_rejection("tokens", team.tpm.limit, team.tpm.remaining(now), n, wait, headers)
+            raise rate_rejection("tokens", team.tpm.limit, team.tpm.remaining(now), n, wait, headers())
         for budget in (team.day, team.month):
             if not budget.fits(n, now):
                 reset = seconds_until_reset(budget.period, now)
                 limit, remaining = budget.limit, budget.remaining(now)
                 assert limit is not None and remaining is not None  # an unlimited budget fits anything
-                headers = _merged_headers(subjects, now)
-                raise budget_rejection(budget.period, limit, remaining, n, reset, headers)
+                raise budget_rejection(budget.period, limit, remaining, n, reset, headers())
         for budget in (team.day_cost, team.month_cost):
             if not budget.fits(cost, now):
                 reset = seconds_until_reset(budget.period, now)
                 limit, remaining = budget.limit, budget.remaining(now)
                 assert limit is not None and remaining is not None  # an unlimited budget fits anything
-                headers = _merged_headers(subjects, now)
-                raise spend_rejection(budget.period, limit, remaining, cost, reset, headers)
+                raise spend_rejection(budget.period, limit, remaining, cost, reset, headers())
 
     async def settle(
         self,

@@ -53,10 +53,14 @@ class RedisKeyLayout:
             self._day = (start, end, d, m, m_end)
         return d, m, math.ceil(end - now) + 86400, math.ceil(m_end - now) + 86400
 
+    def budget_keys(self, team_id: str, key_id: str | None, day: str, month: str) -> tuple[str, str]:
+        """A subject's budget hashes for the day and month periods named `day` and `month` (see `periods`)."""
+        sub = self.subject(key_id)
+        return self.key(team_id, f"{sub}day:{day}"), self.key(team_id, f"{sub}month:{month}")
+
     def period_keys(self, team_id: str, now: float, key_id: str | None = None) -> tuple[str, str, str, str, int, int]:
         d, m, d_exp, m_exp = self.periods(now)
-        sub = self.subject(key_id)
-        return self.key(team_id, f"{sub}day:{d}"), self.key(team_id, f"{sub}month:{m}"), d, m, d_exp, m_exp
+        return *self.budget_keys(team_id, key_id, d, m), d, m, d_exp, m_exp
 
     def snapshot_reads(self, pipe: Any, team_id: str, now: float, key_id: str | None = None) -> Any:
         """Queue on `pipe` (an asyncio pipeline) the reads of a subject's snapshot, in the order

@@ -4,14 +4,15 @@ client's pool, without redis-py's per-command layers (Script -> evalsha -> execu
 observability hooks, packing every argument again through the encoder).
 
 What those layers do for this client is kept, by the same redis-py calls: a connection from the pool
-(`get_connection`: waits up to the pool's timeout, hands a connected one, reconnects one that Redis closed or that
-holds unread data) and back to it (`release`); `send_packed_command` / `read_response` with the connection's socket
-timeout, which disconnect the connection on any failure or cancellation mid-call (so it is never reused half read);
-a ConnectionError or TimeoutError disconnects it too, as execute_command's retry wrapper does (this client makes no
-retries: redis-py's default for a pool built from a URL); NOSCRIPT (Redis lost its scripts: a restart, SCRIPT FLUSH,
-a failover) loads the script and sends the call once more, as `Script.__call__` does. Replies are read by the
-connection's own parser, decoded as the pool says (decode_responses). EVALSHA has no response callback, so the reply
-is what `Script.__call__` returned.
+(`get_connection`: waits up to the pool's timeout, hands a connected one) and back to it (`release`), checked first
+(`_fresh`: reconnected if Redis closed it while idle or it holds bytes nobody asked for, which the pool itself no
+longer checks while redis-py's maintenance notifications are on, their default); `send_packed_command` /
+`read_response` with the connection's socket timeout, which disconnect the connection on any failure or cancellation
+mid-call (so it is never reused half read); a ConnectionError or TimeoutError disconnects it too, as execute_command
+does (its retry makes no retries here: a connection from a URL-built pool has none); NOSCRIPT (Redis lost its
+scripts: a restart, SCRIPT FLUSH, a failover) loads the script and sends the call once more, as `Script.__call__`
+does. Replies are read by the connection's own parser, decoded as the pool says (decode_responses). EVALSHA has no
+response callback, so the reply is what `Script.__call__` returned.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def bulks(values: Iterable[Any]) -> bytes:
 async def _fresh(conn: Any) -> None:
     """Reconnect a pooled connection that Redis closed while it was idle (a restart, a failover) or that holds bytes
     nobody asked for: the pool's own check is skipped while redis-py's maintenance notifications are on (their
-    default), and the client's retry that covered it is not on this path."""
+    default). Without it, the first call after a Redis restart could go out on a dead socket and fail."""
     try:
         stale = await conn.can_read()
     except (RedisConnectionError, RedisTimeoutError, OSError):
