@@ -51,3 +51,21 @@ def redis_prefix():
     name = fresh_redis_prefix()
     yield name
     drop_redis_prefix(name)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def state_replicas(request):
+    """(a, b): two handles on one state backend, as two gateway replicas see it: the same InMemoryState twice, or two
+    RedisStates on one fresh prefix of the real Redis (closed afterwards)."""
+    from tokenweir.gateway.state.memory import InMemoryState
+    from tokenweir.gateway.state.redis import RedisState
+
+    if request.param == "memory":
+        state = InMemoryState()
+        yield state, state
+        return
+    prefix = request.getfixturevalue("redis_prefix")
+    states = [RedisState(URL, prefix=prefix) for _ in range(2)]
+    yield states[0], states[1]
+    for s in states:
+        await s.close()

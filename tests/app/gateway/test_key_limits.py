@@ -264,21 +264,8 @@ def test_admin_api_creates_reads_and_replaces_a_keys_limits(stack):
 # --- the backends directly -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def backend(request):
-    if request.param == "memory":
-        state = InMemoryState()
-        yield state, state
-        return
-    prefix = request.getfixturevalue("redis_prefix")
-    states = [RedisState(URL, prefix=prefix) for _ in range(2)]
-    yield states[0], states[1]
-    for s in states:
-        await s.close()
-
-
-async def test_a_request_refused_by_the_team_takes_nothing_from_its_key(backend):
-    state, _ = backend
+async def test_a_request_refused_by_the_team_takes_nothing_from_its_key(state_replicas):
+    state, _ = state_replicas
     team, key = TeamLimits(tokens_per_day=20), KeyLimits(tokens_per_day=1000, rpm=10)
     await state.reserve("t", team, 5, 10, now=NOW, key_id="k", key_limits=key)
     with pytest.raises(Rejected) as info:
@@ -288,8 +275,8 @@ async def test_a_request_refused_by_the_team_takes_nothing_from_its_key(backend)
     assert (snap["day"]["reserved"], snap["requests_last_minute"], snap["open_reservations"]) == (15, 1, 1)
 
 
-async def test_200_concurrent_reserves_admit_what_the_tighter_of_key_and_team_allows(backend):
-    a, b = backend
+async def test_200_concurrent_reserves_admit_what_the_tighter_of_key_and_team_allows(state_replicas):
+    a, b = state_replicas
     team, key = TeamLimits(rpm=150, tokens_per_day=100_000), KeyLimits(tokens_per_day=1000)  # 100 tokens each
 
     async def one(i):
@@ -308,9 +295,9 @@ async def test_200_concurrent_reserves_admit_what_the_tighter_of_key_and_team_al
         assert (snap["day"]["spent"], snap["day"]["reserved"], snap["open_reservations"]) == (500, 0, 0), snap
 
 
-async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(backend):
+async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(state_replicas):
     # counted anyway, so a budget added later starts from what the key already spent (test_limits_added_midday)
-    state, _ = backend
+    state, _ = state_replicas
     for limits in (KeyLimits(), None):
         res = await state.reserve("t", TeamLimits(rpm=5), 1, 1, now=NOW, key_id="k", key_limits=limits, cost=7)
         assert res.key_id == "k"
@@ -320,8 +307,8 @@ async def test_a_key_without_limits_counts_its_spend_and_is_never_refused_by_it(
     assert (await state.snapshot("t", now=NOW))["requests_last_minute"] == 2
 
 
-async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(backend):
-    state, _ = backend
+async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(state_replicas):
+    state, _ = state_replicas
     assert await state.acquire_slot("t", 3, key_id="k", key_max=1)
     assert not await state.acquire_slot("t", 3, key_id="k", key_max=1)  # the key is full, the team is not
     assert await state.acquire_slot("t", 3)
@@ -336,8 +323,8 @@ async def test_key_slots_are_taken_with_the_teams_and_given_back_to_both(backend
         await state.release_slot("t", key_id="k")
 
 
-async def test_a_restart_seeds_the_keys_budgets_and_the_teams_spend_from_the_store(backend, tmp_path):
-    state, _ = backend
+async def test_a_restart_seeds_the_keys_budgets_and_the_teams_spend_from_the_store(state_replicas, tmp_path):
+    state, _ = state_replicas
     store = Store.open(f"sqlite:///{tmp_path}/seed.db")
     today = time.strftime("%Y-%m-%d", time.gmtime())
     store.record_usage(

@@ -13,9 +13,7 @@ import pytest
 
 from tests.app.gateway import test_key_limits
 from tests.app.gateway.test_key_limits import admin, call, error, team_with_keys
-from tests.support.state import NOW, URL
-from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.state.redis import RedisState
+from tests.support.state import NOW
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
@@ -92,21 +90,10 @@ def test_v1_me_shows_a_new_keys_budget_before_its_first_request(stack):
 # --- the backends directly -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def backend(request):
-    if request.param == "memory":
-        state = InMemoryState()
-        yield state, state
-        return
-    prefix = request.getfixturevalue("redis_prefix")
-    states = [RedisState(URL, prefix=prefix) for _ in range(2)]
-    yield states[0], states[1]
-    for s in states:
-        await s.close()
-
-
-async def test_holds_taken_before_a_keys_limit_count_against_it_so_concurrent_requests_cannot_slip_through(backend):
-    a, b = backend
+async def test_holds_taken_before_a_keys_limit_count_against_it_so_concurrent_requests_cannot_slip_through(
+    state_replicas,
+):
+    a, b = state_replicas
     team = TeamLimits()
     # 20 requests of 100 held while the key had no limits, from two replicas; none settled yet
     held = await asyncio.gather(*[(a, b)[i % 2].reserve("t", team, 50, 50, now=NOW, key_id="k") for i in range(20)])
