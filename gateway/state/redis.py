@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.maint_notifications import MaintNotificationsConfig
 
+from tokenweir.common.ids import random_hex
 from tokenweir.gateway.state.backend import Lease, StateUnavailable
 from tokenweir.gateway.state.redis_calls import PackedCalls, lim
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
@@ -33,7 +34,7 @@ from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_leases import LeaseBook
 from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, RESERVE, SETTLE, script_args
 from tokenweir.gateway.state.redis_replies import merged_headers, reserve_rejection, snapshot_view
-from tokenweir.gateway.state.redis_wire import HotScript
+from tokenweir.gateway.state.redis_wire import HotLine, HotScript
 from tokenweir.policies.budget import as_key_rejection
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import split_femtos
@@ -83,11 +84,15 @@ class RedisState:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
+            # off (its default is on where the server offers them), so that the pool checks each connection it
+            # hands out and reconnects one Redis closed while it sat idle (after a restart or a cut)
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
         self._redis = aioredis.Redis(connection_pool=pool)
         # a request's two calls go lean (gateway.state.redis_wire), their arguments packed from caches
-        self._reserve_script = HotScript(self._redis, RESERVE)
-        self._settle = HotScript(self._redis, SETTLE)
+        self._line = HotLine(pool) if HotLine.serves(pool) else None
+        self._reserve_script = HotScript(self._redis, RESERVE, self._line)
+        self._settle = HotScript(self._redis, SETTLE, self._line)
         self._calls = PackedCalls(self._keys)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._lease_book = LeaseBook(self._redis, self._keys, lease_s, clock, REDIS_ERRORS)
@@ -160,7 +165,7 @@ class RedisState:
         now = self._clock() if now is None else now
         n = prompt_tokens + max_tokens
         d, m, _, _ = self._keys.periods(now)
-        res_id = uuid.uuid4().hex
+        res_id = random_hex()
         # A key without limits is still counted: a limit added later must see what it already spent.
         counted_key = key_id
         counted_limits = None if counted_key is None else key_limits or NO_KEY_LIMITS
@@ -188,8 +193,8 @@ class RedisState:
             if lease is not None:
                 undo["release"] = lease.release_op(team_id)
             raise StateUnavailable(f"reserve: {type(e).__name__}: {e}", pending=undo) from e
-        if code == 7:
-            if not seeding_tried and self.on_unseeded is not None and await self.on_unseeded(team_id):
+        if code == 7:  # nothing was taken
+            if not seeding_tried and self.on_unseeded is not None and await self._seeded(team_id):
                 key: dict[str, Any] = {"key_id": key_id, "key_limits": key_limits, "cost": cost, "seeding_tried": True}
                 return await self._reserve(team_id, limits, prompt_tokens, max_tokens, now, lease, **key)
             raise StateUnseeded(f"team {team_id}: its spend is being rebuilt in the shared state after a loss")
@@ -208,6 +213,13 @@ class RedisState:
             self._lease_book.taken(team_id, lease.key_id, lease.lease_id)
         hold = Reservation(team_id, n, now, d, m, headers=headers, backend_id=res_id, key_id=counted_key, cost=cost)
         return hold, bool(int(took_lease))
+
+    async def _seeded(self, team_id: str) -> bool:
+        assert self.on_unseeded is not None
+        try:
+            return await self.on_unseeded(team_id)
+        except REDIS_ERRORS as e:
+            raise StateUnavailable(f"seeding team {team_id}: {type(e).__name__}: {e}") from e
 
     async def settle(
         self,
@@ -284,7 +296,7 @@ class RedisState:
         """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
         renewed in the background until released. `lease_id`: the caller's name for it (unique), chosen before
         the call so that a restart after this process dies can release it by name (gateway/request/inflight.py)."""
-        lease_id = lease_id or uuid.uuid4().hex
+        lease_id = lease_id or random_hex()
         args = script_args(
             ACQUIRE_ARGV,
             now=repr(self._clock()),
@@ -365,4 +377,6 @@ class RedisState:
 
     async def close(self) -> None:
         await self._lease_book.close()
+        if self._line is not None:
+            self._line.close()
         await self._redis.aclose()

@@ -1,7 +1,9 @@
-"""The request's two scripts go lean (gateway.state.redis_wire: packed once, sent on a connection kept at hand): against
-the real Redis, what redis-py's Script call did still holds. NOSCRIPT (SCRIPT FLUSH) loads the script and calls again;
-a connection Redis closed while idle is not reused; one killed or cancelled mid-call ends as StateUnavailable (its op
-pending) and is never reused half read; connections kept at hand never starve the pool's other callers."""
+"""The request's two scripts go lean (gateway.state.redis_wire: packed once, sent pipelined on a connection of their
+own): against the real Redis, what redis-py's Script call did still holds. NOSCRIPT (SCRIPT FLUSH) loads the script
+and calls again; a connection Redis closed while idle is not reused; one killed, cancelled or timed out mid-call ends
+as StateUnavailable (its op pending) or CancelledError and no later reply is misread; many calls at once each get
+their own reply; the connection is made with the URL's user, password, db and client name; the pool's other
+callers are never starved, and its connections Redis closed are reconnected before use."""
 
 import asyncio
 import uuid
@@ -120,4 +122,83 @@ async def test_the_lean_calls_share_the_pool_with_its_other_callers(redis_prefix
     await asyncio.gather(*(f(i) for i in range(100) for f in (hot, other)))
     await asyncio.wait_for(asyncio.gather(*(other(i) for i in range(20))), 5)
     assert (await state.snapshot("t", NOW + 60))["spent_today"] == 1500
+    await state.close()
+
+
+async def test_calls_at_once_share_one_connection_and_each_gets_its_own_reply(redis_prefix, admin):
+    name = f"lean-{uuid.uuid4().hex[:8]}"
+    state = RedisState(f"{URL}?client_name={name}", prefix=redis_prefix)
+    teams = [f"t{i}" for i in range(40)]
+
+    async def use(team: str, i: int) -> int:
+        hold = await state.reserve(team, LIMITS, i, 0, NOW)  # a hold of i tokens: reserved_tokens tells replies apart
+        return (await state.snapshot(team, NOW))["reserved_tokens"] - hold.tokens
+
+    offsets = await asyncio.gather(*(use(team, i + 1) for i, team in enumerate(teams)))
+    assert offsets == [0] * len(teams)
+    assert len(own_clients(admin, name, "evalsha")) == 1  # one pipelined connection carried all 40
+    await state.close()
+
+
+async def test_a_reply_past_the_timeout_drops_the_connection_and_the_next_call_is_answered(redis_prefix, admin):
+    state = RedisState(URL, prefix=redis_prefix, timeout_s=0.3)
+    await request(state)
+    lease = Lease(uuid.uuid4().hex)
+    try:
+        task = await paused_writes(admin, state.reserve_and_acquire("t", LIMITS, 10, 20, NOW + 2, lease=lease))
+        with pytest.raises(StateUnavailable) as err:
+            await task
+    finally:
+        admin.client_unpause()
+    assert "TimeoutError" in str(err.value) and err.value.pending["release"]["lease_id"] == lease.lease_id
+    await state.replay(err.value.pending)
+    snap = await request(state, NOW + 3)
+    assert snap["spent_today"] == 30 and snap["in_flight"] == 0 and snap["open_reservations"] == 0
+    await state.close()
+
+
+async def test_the_connection_is_made_with_the_urls_user_password_db_and_name(redis_prefix, admin):
+    user, password, name = f"tw-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, f"lean-{uuid.uuid4().hex[:8]}"
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"])
+    db = redis.Redis.from_url("redis://127.0.0.1:6379/3", decode_responses=True)
+    try:
+        state = RedisState(f"redis://{user}:{password}@127.0.0.1:6379/3?client_name={name}", prefix=redis_prefix)
+        assert (await request(state))["spent_today"] == 15
+        (client,) = own_clients(admin, name, "evalsha")
+        assert client["user"] == user and client["db"] == "3"
+        assert db.keys(f"{redis_prefix}*") and not admin.keys(f"{redis_prefix}*")
+        await state.close()
+        wrong = RedisState(f"redis://{user}:not-{password}@127.0.0.1:6379/3", prefix=redis_prefix)
+        with pytest.raises(StateUnavailable, match="AuthenticationError|WRONGPASS|invalid"):
+            await wrong.reserve("t", LIMITS, 1, 1, NOW)
+        await wrong.close()
+    finally:
+        for key in db.keys(f"{redis_prefix}*"):
+            db.delete(key)
+        db.close()
+        admin.acl_deluser(user)
+
+
+async def test_pooled_connections_redis_closed_are_reconnected_before_use(redis_prefix, admin):
+    name = f"lean-{uuid.uuid4().hex[:8]}"
+    state = RedisState(f"{URL}?client_name={name}", prefix=redis_prefix)
+    await request(state)
+    pooled = [c for c in own_clients(admin, name) if c["cmd"] != "evalsha"]
+    assert pooled  # the snapshot's connection, back in the pool
+    for client in pooled:
+        admin.client_kill_filter(_id=client["id"])
+    await asyncio.sleep(0.05)
+    assert (await state.snapshot("t", NOW + 1))["spent_today"] == 15
+    await state.close()
+
+
+async def test_a_lost_connection_while_seeding_a_team_is_state_unavailable_not_an_error(redis_prefix):
+    state = RedisState(URL, prefix=redis_prefix, require_seeded=True)
+
+    async def seeding_fails(team_id: str) -> bool:
+        raise redis.ConnectionError("Connection closed by server.")
+
+    state.on_unseeded = seeding_fails
+    with pytest.raises(StateUnavailable, match="seeding team t"):
+        await state.reserve("t", LIMITS, 1, 1, NOW)
     await state.close()

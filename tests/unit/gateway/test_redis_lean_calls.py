@@ -168,9 +168,14 @@ def test_bulk_encodes_as_redis_py_does():
     from redis._parsers.encoders import Encoder
 
     encoder = Encoder("utf-8", "strict", True)
-    for value in ["", "héllo", b"\x00\xff", 0, -1, 10**20, 1.0, 0.1, 1e-7, repr(NOW)]:
+
+    class Count(int): ...
+
+    class Name(str): ...
+
+    for value in ["", "héllo", b"\x00\xff", 0, -1, 10**20, 1.0, 0.1, 1e-7, repr(NOW), Count(7), Name("n")]:
         data = encoder.encode(value)
         assert bulk(value) == b"$%d\r\n%s\r\n" % (len(data), data)
-    for value in [True, None, object()]:
+    for value in [True, None, object(), bytearray(b"x")]:
         with pytest.raises(Exception, match="Invalid input"):
             bulk(value)
