@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 from tokenweir.common.engine_flags import DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -33,6 +34,60 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `--speculative-config` JSON: each step a decoding sequence proposes up to
+    `num_speculative_tokens` draft tokens, the model checks them all in one forward, and the ones the target model
+    would have produced are kept (with one more token of its own), so a step can emit several tokens.
+
+    method "ngram" (prompt lookup): the drafts are what followed the latest earlier occurrence of the sequence's last
+    n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its prompt and output so far. Drafting stops
+    for the whole batch above `disable_by_batch_size` running sequences (a big batch is already compute-bound) and for
+    a sequence whose drafts keep failing (its acceptance below `min_acceptance` over its last `acceptance_window`
+    proposed tokens; it tries again `retry_after` tokens later)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 8
+    min_acceptance: float = 0.2
+    acceptance_window: int = 32
+    retry_after: int = 64
+
+    def __post_init__(self) -> None:
+        methods = ("ngram",)
+        assert self.method in methods, f"speculative method: one of {', '.join(methods)}, got {self.method!r}"
+        assert 1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens: 1 to 16"
+        assert 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min: 1 to prompt_lookup_max"
+        assert self.disable_by_batch_size is None or self.disable_by_batch_size >= 1
+        assert 0 <= self.min_acceptance <= 1 and self.acceptance_window >= 1 and self.retry_after >= 0
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From vLLM's JSON form; an unknown key or a bad value is a ValueError naming it."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError('--speculative-config: a JSON object, e.g. \'{"method": "ngram", ...}\'')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**raw)
+        except (AssertionError, TypeError) as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+
+    def describe(self) -> str:
+        return (
+            f"{self.method} k={self.num_speculative_tokens} n={self.prompt_lookup_min}..{self.prompt_lookup_max} "
+            f"off above {self.disable_by_batch_size} running"
+        )
+
+
+@dataclass
 class EngineConfig:
     model: str = ""  # a .gguf file or a HF directory; empty = the default model
     served_model_name: str | None = None
@@ -47,6 +102,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # a step's tokens: prefill chunks of up to this many
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # off: a prompt is computed in one step, never cut into chunks
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
     num_threads: int | None = None
     seed: int = 0
@@ -56,5 +113,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             assert value is None or value >= 1, f"{name}: at least 1, got {value}"
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            assert self.max_num_batched_tokens >= self.max_model_len, (
+                "without chunked prefill a whole prompt is one step: max_num_batched_tokens must be >= max_model_len"
+            )
         modes = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")
         assert self.quantization in modes, f"quantization: one of {', '.join(modes)}"

@@ -9,7 +9,7 @@ import os
 
 from tokenweir.common.engine_flags import API_KEY_ENV, parse_size
 from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
-from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.config import EngineConfig, SpeculativeConfig
 
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
 # sends on a connection the server is closing at that very moment.
@@ -26,6 +26,13 @@ def parse_dtype(text: str) -> str:
     if dtype not in DTYPES:
         raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}: choose from {', '.join(DTYPES)}")
     return dtype
+
+
+def parse_speculative(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_fraction(text: str) -> float:
@@ -145,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="same as --no-enable-prefix-caching",
     )
     p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill,
+        help="cut long prompts into chunks of at most --max-num-batched-tokens, run beside the decoding streams "
+        "(off: a prompt is one step, and --max-num-batched-tokens must cover --max-model-len)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=parse_speculative,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (also "disable_by_batch_size", "min_acceptance", '
+        '"acceptance_window", "retry_after"); default: off',
+    )
+    p.add_argument(
         "--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
     )
     p.add_argument(
@@ -186,6 +209,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        speculative=args.speculative_config,
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
         num_threads=args.num_threads,
         seed=args.seed,

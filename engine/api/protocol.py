@@ -114,6 +114,8 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # tokenweir extra: false keeps this request out of speculative decoding where the engine runs it
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -153,6 +155,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             n=self.n,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            speculative=self.speculative,
             **self.extra_sampling(),
         )
 

@@ -23,9 +23,10 @@ from tokenweir.engine.core.output_processor import OutputProcessor
 from tokenweir.engine.core.request_checks import check_request
 from tokenweir.engine.sched.block_manager import BlockManager
 from tokenweir.engine.sched.sampling_params import SamplingParams
-from tokenweir.engine.sched.scheduler import Scheduler
+from tokenweir.engine.sched.scheduler import Scheduler, SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.sched.stats import SchedulerStats, StepStats
+from tokenweir.engine.sched.stats import SchedulerStats, SpecDecodingStats, StepStats
+from tokenweir.engine.spec.ngram_proposer import NgramProposer
 from tokenweir.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("tokenweir.engine")
@@ -48,6 +49,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
             num_blocks * config.block_size,
         )
+        if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
+            # a prompt (or a preempted sequence's recompute) must fit one step
+            log.info(
+                "chunked prefill off: max_model_len %d capped to max_num_batched_tokens %d",
+                self.max_model_len,
+                config.max_num_batched_tokens,
+            )
+            self.max_model_len = config.max_num_batched_tokens
         self.stop_token_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set()
         if self.model_config.eos_token_id is not None:
             self.stop_token_ids.add(self.model_config.eos_token_id)
@@ -58,7 +67,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.stop_token_ids,
+            chunked_prefill=config.enable_chunked_prefill,
         )
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.sampler)
         self._structured = None  # engine.text.structured.StructuredOutputs, made on the first request that needs it
         self.last_stats = StepStats()
@@ -72,6 +83,16 @@ class LLMEngine:
             self.runner.device,
             self.precision.dtype,
             self.precision.quantization,
+        )
+        log.info("levers: %s", self.levers())
+
+    def levers(self) -> str:
+        """Each serving lever's setting, as the start-up log states it."""
+        config, spec = self.config, self.config.speculative
+        chunked = f"on (chunks of {config.max_num_batched_tokens})" if config.enable_chunked_prefill else "off"
+        return (
+            f"prefix_caching={'on' if config.enable_prefix_caching else 'off'}, chunked_prefill={chunked}, "
+            f"speculative={spec.describe() if spec is not None else 'off'}, structured_outputs=per request"
         )
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -149,11 +170,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, let the scheduler record what it produced, make the outputs."""
         start = time.monotonic()
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.last_stats = StepStats()
             return []
         sampled_token_ids, logprobs, failed = self.runner.run(batch)
+        spec = self._record_drafts(batch, sampled_token_ids)
         stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
         outputs = []
         for seq in stepped:
@@ -172,13 +196,51 @@ class LLMEngine:
                     failing.group_id, RequestError(why, code="invalid_response_format", param="response_format")
                 )
         self.last_stats = StepStats(
-            num_generation_tokens=len(stepped),
+            num_generation_tokens=sum(seq.num_new_tokens for seq in stepped),
+            spec=spec,
             num_tokens=batch.num_tokens,
-            first_tokens=[seq for seq in stepped if seq.num_output_tokens == 1],  # per choice: each is a sequence
+            first_tokens=[seq for seq in stepped if seq.num_output_tokens == seq.num_new_tokens],  # per choice
+            decoded=[seq.num_new_tokens for seq in stepped if seq.num_output_tokens > seq.num_new_tokens],
             finished=[seq for seq in stepped if seq.is_finished],
             step_seconds=time.monotonic() - start,
         )
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the decoding sequences that may speculate (none above the batch-size switch)."""
+        assert self.proposer is not None
+        running = self.scheduler.running
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not _may_speculate(seq):
+                continue
+            params = seq.params
+            assert params.max_tokens is not None
+            # never a draft past max_tokens or the context: the tokens a step emits are its drafts and one more
+            room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = self.proposer.propose(seq, room)
+
+    def _record_drafts(self, batch: SchedulerOutput, sampled: dict[str, list[int]]) -> SpecDecodingStats | None:
+        """This step's drafts and how many of each sequence's were accepted (before update clears them)."""
+        if self.proposer is None:
+            return None
+        stats = SpecDecodingStats(self.proposer.config.num_speculative_tokens)
+        for seq, _ in batch.scheduled():
+            drafts = seq.draft_token_ids
+            if drafts and seq.request_id in sampled:
+                accepted = len(sampled[seq.request_id]) - 1
+                stats.observe(len(drafts), accepted)
+                self.proposer.record(seq, len(drafts), accepted)
+        return stats
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Drafts are checked against the sequence's own sampling; a grammar's state and prompt logprobs are not (yet)
+    carried through a verification, and a request may opt out."""
+    params = seq.params
+    return seq.matcher is None and params.prompt_logprobs is None and params.speculative
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:

@@ -111,6 +111,15 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step (prefill + decode).", ITERATION_TOKEN_BUCKETS
         )
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative steps: sequences that checked drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and checked.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "tokenweir:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0 first).",
+            ["model_name", "position"],
+            registry=r,
+        )
         self.model_name = model_name
         self._last = SchedulerStats()  # the totals already counted
 
@@ -130,13 +139,20 @@ class EngineMetrics:
         for seq in stats.first_tokens:
             assert seq.first_token_time is not None  # stamped by the step that gave it the token
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
-        if stats.num_generation_tokens and stats.step_seconds:
-            # Every sequence that decoded this step waited one step for its token.
-            decoding = stats.num_generation_tokens - len(stats.first_tokens)
-            for _ in range(max(decoding, 0)):
-                self.itl.observe(stats.step_seconds)
+        if stats.step_seconds:
+            # A sequence that decoded this step waited one step for its tokens: several when drafts were accepted.
+            for num_new in stats.decoded:
+                for _ in range(num_new):
+                    self.itl.observe(stats.step_seconds / num_new)
         for seq in stats.finished:
             self.observe_finished(seq, now)
+        if (spec := stats.spec) is not None and spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, accepted in enumerate(spec.accepted_per_pos):
+                if accepted:
+                    self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(accepted)
 
     def observe_finished(self, seq: Sequence, now: float) -> None:
         """One finished sequence: a request, or one choice of an n > 1 request, whose prompt counts once (with its

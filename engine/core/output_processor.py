@@ -96,20 +96,32 @@ class OutputProcessor:
     # --- outputs ----------------------------------------------------------------------------------------------------
 
     def process(self, seq: Sequence) -> RequestOutput:
-        """The step's output for a sequence that got a token: its text so far (held back while a stop string could
-        be completing), or its final output if the token, or a stop string in its text, ended it."""
-        token_id = seq.token_ids[-1]
+        """The step's output for a sequence that got tokens (one, or with accepted drafts several): its text so far
+        (held back while a stop string could be completing), or its final output if a token, or a stop string in
+        its text, ended it. Tokens after the one that completed a stop string are dropped from the sequence, as if
+        never generated."""
+        new_token_ids = seq.token_ids[len(seq.token_ids) - seq.num_new_tokens :]
+        assert new_token_ids, "process is for a sequence its step gave tokens"
         text = self.requests[seq.group_id].texts[seq.index]
-        stop_string = text.add(token_id)
-        if stop_string is not None:
+        for i, token_id in enumerate(new_token_ids):
+            stop_string = text.add(token_id)
+            if stop_string is None:
+                continue
+            if extra := len(new_token_ids) - i - 1:
+                del seq.token_ids[-extra:]
+                if seq.params.logprobs is not None:
+                    del seq.logprobs[-extra:]
+                new_token_ids = new_token_ids[: i + 1]
+                seq.num_new_tokens = len(new_token_ids)
             if seq.is_finished:  # EOS or length on the same token: the stop string wins, as in vLLM
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
             seq.stop_reason = stop_string
+            break
         if seq.is_finished:
-            return self._finish(seq, [token_id])
-        return self._output(seq, [token_id], text.take_delta(finished=False))
+            return self._finish(seq, new_token_ids)
+        return self._output(seq, new_token_ids, text.take_delta(finished=False))
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request's unfinished choices now and free their blocks; returns their final outputs (the last one

@@ -16,6 +16,7 @@ CUDA keeps bf16 and dense weights. Every decision is logged with the probe's num
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -39,12 +40,18 @@ class Precision:
     prefill_dtype: torch.dtype = torch.float32  # the gguf modes' dense GEMMs for prefill chunks
 
 
+CPU_FLAGS_OFF_ENV = "TOKENWEIR_CPU_FLAGS_OFF"  # e.g. "avx512_bf16,amx_bf16": run as if the CPU lacked them
+
+
 def cpu_flags() -> set[str]:
+    """The CPU's flags (/proc/cpuinfo), less those named in TOKENWEIR_CPU_FLAGS_OFF (comma-separated): the precision
+    choices then follow the numerics of a CPU without them (e.g. float32 prefill chunks where bf16 would be picked)."""
+    off = {f.strip() for f in os.environ.get(CPU_FLAGS_OFF_ENV, "").split(",") if f.strip()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return set(line.split(":", 1)[1].split()) - off
     except OSError:
         pass
     return set()

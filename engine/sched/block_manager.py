@@ -83,14 +83,21 @@ class BlockManager:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_cached_tokens
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
-        """Make the block table cover `num_new_tokens` more tokens (after any cached prefix). False if out of blocks,
-        with nothing changed."""
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_prefix: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Make the block table cover `num_new_tokens` more tokens (after any cached prefix), and room for
+        `num_lookahead_tokens` draft tokens after them (never registered in the prefix cache: a draft may be
+        refused). False if out of blocks, with nothing changed."""
         cached_prefix = cached_prefix or []
         assert not cached_prefix or not seq.block_table, "a cached prefix is only taken by a fresh sequence"
         total = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         assert total <= seq.num_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_prefix)
+        num_new_blocks = self.blocks_needed(total + num_lookahead_tokens) - len(seq.block_table) - len(cached_prefix)
         revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
         if max(num_new_blocks, 0) + revived > self.num_free_blocks:
             return False
@@ -133,6 +140,16 @@ class BlockManager:
                 self.cached_blocks[h] = block.block_id
                 self.log.cached()
             seq.block_hashes.append(h)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (they held only the K/V of refused drafts)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a draft-only block is private and unregistered"
+            block.ref_count = 0
+            self.free_blocks[block.block_id] = None
+            self.free_blocks.move_to_end(block.block_id, last=False)  # holds nothing reusable: reuse it first
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU evicts a sequence's suffix before the prefix others are likelier to share.

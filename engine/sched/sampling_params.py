@@ -25,6 +25,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (completions' echo)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured: dict | None = None  # an OpenAI response_format (json_object / json_schema) the output must follow
+    speculative: bool = True  # False: this request never speculates, whatever the engine's setting
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

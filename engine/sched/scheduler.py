@@ -27,21 +27,24 @@ from tokenweir.engine.sched.stats import SchedulerStats
 @dataclass
 class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    verifies: list[Sequence] = field(default_factory=list)  # decodes checking drafts: 1 + len(drafts) tokens each
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.verifies and not self.prefills
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return sum(n for _, n in self.scheduled())
 
     def scheduled(self) -> Iterator[tuple[Sequence, int]]:
         """(sequence, tokens computed this step), in the order the model runner lays out the batch."""
         for seq in self.decodes:
             yield seq, 1
+        for seq in self.verifies:
+            yield seq, 1 + len(seq.draft_token_ids)
         yield from self.prefills
 
 
@@ -54,8 +57,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int],
+        chunked_prefill: bool = True,
     ) -> None:
         self.block_manager = block_manager
+        self.chunked_prefill = chunked_prefill
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -107,18 +112,25 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             if budget == 0:
+                seq.draft_token_ids = []
                 kept.append(seq)
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
+            # a decode's drafts, as many as the budget leaves room for, and only while blocks are to be had
+            drafts = seq.draft_token_ids[: budget - 1] if seq.num_tokens - seq.num_computed_tokens == 1 else []
+            while not self.block_manager.allocate_slots(seq, num_new, num_lookahead_tokens=len(drafts)):
+                if drafts:
+                    drafts = []
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                scheduled.append((seq, num_new))
+                seq.draft_token_ids = drafts
+                scheduled.append((seq, num_new + len(drafts)))
                 kept.append(seq)
-                budget -= num_new
+                budget -= num_new + len(drafts)
         self.running = kept
         out_of_memory = bool(out.preempted)
 
@@ -131,6 +143,8 @@ class Scheduler:
             cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.chunked_prefill and num_new < seq.num_tokens - num_cached:
+                break  # its whole prompt waits for a step with room for all of it
             if not self.block_manager.allocate_slots(seq, num_new, cached):
                 victim = max(self.running, key=Sequence.sort_key, default=None)
                 if victim is None or victim.sort_key() <= seq.sort_key():
@@ -158,6 +172,8 @@ class Scheduler:
         for seq, n in scheduled:
             if n == 1:
                 out.decodes.append(seq)
+            elif seq.draft_token_ids:
+                out.verifies.append(seq)
             else:
                 out.prefills.append((seq, n))
         return out
@@ -165,35 +181,55 @@ class Scheduler:
     def update(
         self,
         batch: SchedulerOutput,
-        sampled_token_ids: dict[str, int],
-        logprobs: dict[str, TokenLogprob] | None = None,
+        sampled_token_ids: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprob]] | None = None,
     ) -> list[Sequence]:
-        """After a step: advance every scheduled sequence by the tokens it computed, append the token sampled for it
-        (a prefill chunk short of the prompt's end samples none) with its logprobs if asked, and finish the ones that
-        hit a stop condition. Returns the sequences that got a token, in batch order."""
+        """After a step: advance every scheduled sequence by the tokens it computed, append the tokens sampled for it
+        (none for a prefill chunk short of the prompt's end; one for a decode; for a decode that checked drafts, the
+        drafts the model agreed with and one token of its own) with their logprobs if asked, and finish the ones
+        that hit a stop condition (the tokens after it are dropped). Refused drafts' K/V slots are given back.
+        Returns the sequences that got a token, in batch order."""
         logprobs = logprobs or {}
         now = time.monotonic()
         stepped: list[Sequence] = []
         for seq, num_tokens in batch.scheduled():
-            seq.num_computed_tokens += num_tokens
-            token_id = sampled_token_ids.get(seq.request_id)
-            if token_id is None:
+            num_drafts = len(seq.draft_token_ids)
+            seq.draft_token_ids = []
+            token_ids = sampled_token_ids.get(seq.request_id)
+            if token_ids is None:
+                seq.num_computed_tokens += num_tokens - num_drafts
                 continue
-            seq.append_token(token_id, logprobs.get(seq.request_id))
+            assert 1 <= len(token_ids) <= num_drafts + 1
+            # the accepted drafts' K/V is in the cache; the last token's is computed next step
+            seq.num_computed_tokens += num_tokens - num_drafts + len(token_ids) - 1
+            seq_logprobs = logprobs.get(seq.request_id)
+            seq.num_new_tokens = 0
+            for i, token_id in enumerate(token_ids):
+                seq.append_token(token_id, seq_logprobs[i] if seq_logprobs else None)
+                seq.num_new_tokens += 1
+                if self._stopped(seq, token_id):
+                    break
+            if num_drafts and not seq.is_finished:
+                self.block_manager.trim(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            params = seq.params
-            assert params.max_tokens is not None  # LLMEngine.validate fills it in before a request is added
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-                self.finish(seq, "stop")
-                seq.stop_reason = token_id
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
             stepped.append(seq)
         return stepped
 
+    def _stopped(self, seq: Sequence, token_id: int) -> bool:
+        """Finish `seq` if its newest token ends it."""
+        params = seq.params
+        assert params.max_tokens is not None  # LLMEngine.validate fills it in before a request is added
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish(seq, "stop")
+            seq.stop_reason = token_id
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+        return seq.is_finished
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -67,6 +67,10 @@ class Sequence:
         # per prompt token, if asked: the first has none; the model runner appends the rest as it computes them
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
         self.matcher: Matcher | None = None  # structured output: the grammar state masking its next token
+        # speculative decoding: tokens proposed to follow token_ids, checked by the model in this step (never part of
+        # token_ids, the block hashes or the prefix cache until accepted)
+        self.draft_token_ids: list[int] = []
+        self.num_new_tokens = 0  # tokens its last step appended (more than one where drafts were accepted)
         # timestamps for metrics (monotonic seconds)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -28,12 +28,37 @@ class SchedulerStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """One step's speculative decoding, in vLLM's terms: drafts (sequences that checked drafts), draft tokens,
+    accepted tokens, and accepted tokens per draft position (position i counts the drafts accepted at i)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = self.accepted_per_pos or [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        assert 0 <= num_accepted <= num_draft_tokens <= self.num_spec_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass
 class StepStats:
     """What one step did, for metrics."""
 
     num_generation_tokens: int = 0
+    spec: SpecDecodingStats | None = None  # None: speculative decoding is off
     num_tokens: int = 0  # tokens the model computed this step (prefill chunks + decodes)
     first_tokens: list[Sequence] = field(default_factory=list)  # sequences that got their first token
+    decoded: list[int] = field(default_factory=list)  # per sequence that got later tokens: how many
     finished: list[Sequence] = field(default_factory=list)
     step_seconds: float = 0.0
 

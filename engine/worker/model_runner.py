@@ -24,7 +24,7 @@ from tokenweir.engine.model.precision import resolve as resolve_precision
 from tokenweir.engine.sched.scheduler import SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
 from tokenweir.engine.worker.kv_sizing import kv_block_bytes, num_kv_blocks
-from tokenweir.engine.worker.sampler import Sampler, token_logprob
+from tokenweir.engine.worker.sampler import DraftRow, Sampler, token_logprob
 
 log = logging.getLogger("tokenweir.engine")
 
@@ -32,7 +32,8 @@ log = logging.getLogger("tokenweir.engine")
 @dataclass(slots=True)
 class PreparedBatch:
     """A scheduled batch as the model's inputs: logits are computed at `logits_indices`, first one row per sequence in
-    `sampled`, then one per (sequence, position) in `prompt_rows` whose next prompt token is scored."""
+    `sampled`, then one per position of each sequence in `verified` (its last token and its drafts), then one per
+    (sequence, position) in `prompt_rows` whose next prompt token is scored."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -40,6 +41,7 @@ class PreparedBatch:
     logits_indices: torch.Tensor
     sampled: list[Sequence]
     prompt_rows: list[tuple[Sequence, int]]
+    verified: list[Sequence]  # sequences checking drafts: 1 + len(drafts) rows each, after `sampled`'s
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -126,6 +128,23 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:  # else a one-token prefill chunk: nothing to sample yet
                 logits_indices.append(len(tokens) - 1)
                 sampled.append(seq)
+        # A sequence checking drafts: its last token and its drafts as that many decode rows, row j attending to
+        # the cache up to its own position (all of them are stored before attention runs). The decode kernel then
+        # computes each row as plain decoding would have, so the verdicts are those of plain decoding.
+        verify_indices: list[int] = []
+        verify_rows: list[Sequence] = []
+        verify_lens: list[int] = []
+        for seq in batch.verifies:
+            start = seq.num_computed_tokens
+            assert start + 1 == seq.num_tokens and seq.draft_token_ids
+            for j, token in enumerate([seq.token_ids[start], *seq.draft_token_ids]):
+                pos = start + j
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                verify_indices.append(len(tokens) - 1)
+                verify_rows.append(seq)
+                verify_lens.append(pos + 1)
         cu_seqlens = [0]
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
@@ -140,11 +159,12 @@ class ModelRunner:
                 logits_indices.append(len(tokens) - 1)
                 sampled.append(seq)
         prefill_seqs = [s for s, _ in batch.prefills]
+        decode_lens = [s.num_computed_tokens + 1 for s in batch.decodes] + verify_lens
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            num_decode_tokens=len(batch.decodes),
-            decode_block_tables=self._block_tables(batch.decodes),
-            decode_context_lens=torch.tensor([s.num_computed_tokens + 1 for s in batch.decodes], dtype=torch.int32),
+            num_decode_tokens=len(batch.decodes) + len(verify_rows),
+            decode_block_tables=self._block_tables(batch.decodes + verify_rows),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
             prefill_block_tables=self._block_tables(prefill_seqs),
             prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
             prefill_context_lens=torch.tensor(
@@ -162,33 +182,75 @@ class ModelRunner:
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             attention=meta,
-            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.int64, device=self.device),
+            logits_indices=torch.tensor(
+                logits_indices + verify_indices + prompt_indices, dtype=torch.int64, device=self.device
+            ),
             sampled=sampled,
             prompt_rows=prompt_rows,
+            verified=batch.verifies,
         )
 
-    def run(self, batch: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
-        """Run one step; returns {request id: sampled token} for the sequences that reached the end of their tokens,
-        {request id: its logprobs} for those of them that asked, and {request id: why} for those whose grammar could
-        not go on (they get no token)."""
+    def run(self, batch: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, str]]:
+        """Run one step; returns {request id: its new tokens} for the sequences that reached the end of their tokens
+        (one token; for a sequence checking drafts, the drafts the model agrees with and one token of its own),
+        {request id: their logprobs} for those of them that asked, and {request id: why} for those whose grammar
+        could not go on (they get no token)."""
         prepared = self.prepare(batch)
-        sampled = prepared.sampled
+        sampled, verified = prepared.sampled, prepared.verified
         # Grammar masks are computed on a worker thread while the forward runs (both release the GIL).
         guided = [seq.matcher for seq in sampled if seq.matcher is not None]
         masks = self.sampler.structured.fill_masks_async(guided) if guided else None
         logits = self.model.forward(
             prepared.input_ids, prepared.positions, self.kv_caches, prepared.attention, prepared.logits_indices
         )
+        num_verify_rows = sum(1 + len(seq.draft_token_ids) for seq in verified)
         if prepared.prompt_rows:
-            self._score_prompts(logits[len(sampled) :], prepared.prompt_rows)
-        if not sampled:
-            return {}, {}, {}
-        out = self.sampler(logits[: len(sampled)], sampled, masks.result() if masks is not None else None)
-        ids = [seq.request_id for seq in sampled]
-        failed = {ids[i]: why for i, why in out.failed.items()}
-        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None and rid not in failed}
-        tokens = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in failed}
+            self._score_prompts(logits[len(sampled) + num_verify_rows :], prepared.prompt_rows)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        failed: dict[str, str] = {}
+        if sampled:
+            out = self.sampler(logits[: len(sampled)], sampled, masks.result() if masks is not None else None)
+            for i, seq in enumerate(sampled):
+                rid = seq.request_id
+                if i in out.failed:
+                    failed[rid] = out.failed[i]
+                    continue
+                tokens[rid] = [out.token_ids[i]]
+                if (lp := out.logprobs[i]) is not None:
+                    logprobs[rid] = [lp]
+        if verified:
+            verify_logits = logits[len(sampled) : len(sampled) + num_verify_rows]
+            self._verify(verify_logits, verified, tokens, logprobs)
         return tokens, logprobs, failed
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        verified: list[Sequence],
+        tokens: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprob]],
+    ) -> None:
+        """Sample every position as if the drafts before it were accepted, and keep the drafts up to the first one
+        the sample differs from, plus the sample there (or after the last draft). For a draft d this accepts it with
+        probability p(d) and otherwise emits a token drawn from p without d: the rejection sampling of speculative
+        decoding for a deterministic proposer, so the output follows the target model's distribution exactly
+        (greedy: the tokens plain decoding would give)."""
+        rows = [DraftRow(seq, seq.draft_token_ids[:j]) for seq in verified for j in range(len(seq.draft_token_ids) + 1)]
+        out = self.sampler(logits, rows)
+        assert not out.failed  # a sequence with a grammar proposes no drafts
+        first = 0
+        for seq in verified:
+            drafts = seq.draft_token_ids
+            emitted: list[int] = []
+            for j in range(len(drafts) + 1):
+                emitted.append(out.token_ids[first + j])
+                if j == len(drafts) or emitted[-1] != drafts[j]:
+                    break
+            tokens[seq.request_id] = emitted
+            if seq.params.logprobs is not None:
+                logprobs[seq.request_id] = [lp for lp in out.logprobs[first : first + len(emitted)] if lp is not None]
+            first += len(drafts) + 1
 
     @staticmethod
     def _score_prompts(logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int]]) -> None:

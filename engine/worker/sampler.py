@@ -10,11 +10,44 @@ seeded request draw its noise from its own generator, so a seed reproduces its t
 
 from __future__ import annotations
 
+import collections.abc as abc
 from dataclasses import dataclass, field
 
 import torch
 
+from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
+
+
+class DraftRow:
+    """A row that checks a draft: its sequence as it would stand had the drafts before this row been accepted, so
+    penalties count them. What the sampler reads of a sequence; such a sequence has no grammar (it proposes no
+    drafts), and its seeded generator is the sequence's own."""
+
+    __slots__ = ("seq", "extra")
+    matcher = None
+
+    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+        self.seq, self.extra = seq, extra
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.extra)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.extra
+
+
+Row = Sequence | DraftRow
 
 
 @dataclass
@@ -37,7 +70,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Row) -> torch.Generator:
         if seq.params.seed is None:
             return self.generator
         gen = self.seq_generators.get(seq.request_id)
@@ -48,7 +81,9 @@ class Sampler:
         return gen
 
     @torch.inference_mode()  # the logits are inference tensors, and penalties edit them in place
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: abc.Sequence[Row], masks: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """logits: float32 [len(seqs), vocab]. masks: the grammar masks of the rows with a matcher, in row order, if
         already computed (StructuredOutputs.fill_masks_async)."""
         assert logits.shape[0] == len(seqs)
@@ -74,7 +109,7 @@ class Sampler:
             logprobs[i] = token_logprob(raw[j], token_ids[i], k)
         return SamplerOutput(token_ids, logprobs, failed)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: abc.Sequence[Row]) -> list[int]:
         self._apply_penalties(logits, seqs)
         greedy_ids = logits.argmax(dim=-1)
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -99,7 +134,7 @@ class Sampler:
         return out.tolist()
 
     @staticmethod
-    def _apply_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_bias(logits: torch.Tensor, seqs: abc.Sequence[Row]) -> None:
         for i, seq in enumerate(seqs):
             bias = seq.params.logit_bias
             if bias:
@@ -107,7 +142,7 @@ class Sampler:
                 logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_penalties(logits: torch.Tensor, seqs: abc.Sequence[Row]) -> None:
         # OpenAI semantics: logit -= presence * [count > 0] + frequency * count, over generated tokens.
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -118,7 +153,7 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, seqs: abc.Sequence[Row]) -> torch.Tensor:
     top_ks = [s.params.top_k for s in seqs]
     top_ps = [s.params.top_p for s in seqs]
     if all(k == -1 for k in top_ks) and all(p >= 1.0 for p in top_ps):

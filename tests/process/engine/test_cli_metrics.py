@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.engine.api import build_app
-from tokenweir.engine.config import EngineConfig
+from tokenweir.engine.config import EngineConfig, SpeculativeConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.engine.flags import build_parser, engine_config, parse_args
@@ -72,6 +72,35 @@ def test_vllm_flag_names_map_onto_the_config():
     assert engine_config(parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
     assert engine_config(parse_args(["--dtype", "half"])).dtype == "float16"
     assert engine_config(parse_args(["--kv-cache-memory", "1GiB"])).kv_cache_memory == 2**30
+
+
+def test_every_lever_switches_from_the_command_line():
+    default = engine_config(parse_args([]))
+    assert default.enable_chunked_prefill and default.enable_prefix_caching and default.speculative is None
+    config = engine_config(parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]))
+    assert config.enable_chunked_prefill is False and config.max_num_batched_tokens == 4096
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}'
+    config = engine_config(parse_args(["--speculative-config", spec]))
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=5)
+    assert "ngram k=3 n=1..5" in config.speculative.describe()
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{not json", "is not JSON"),
+        ('["ngram"]', "a JSON object"),
+        ('{"method": "ngram", "num_speculative_token": 3}', "unknown key(s) ['num_speculative_token']"),
+        ('{"method": "eagle"}', "speculative method: one of ngram"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens: 1 to 16"),
+        ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min: 1 to prompt_lookup_max"),
+    ],
+)
+def test_a_bad_speculative_config_is_a_clear_error(value, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--speculative-config", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--speculative-config" in err and says in err, err
 
 
 @pytest.mark.parametrize(
@@ -155,6 +184,10 @@ get_logger("tokenweir.gateway").info("from structlog", n=1)
     by_event = {line["event"].split(":")[0]: line for line in lines}
     ready = by_event["engine ready"]
     assert ready["logger"] == "tokenweir.engine" and ready["level"] == "info" and "timestamp" in ready
+    assert by_event["levers"]["event"] == (
+        "levers: prefix_caching=on, chunked_prefill=on (chunks of 1024), speculative=off, "
+        "structured_outputs=per request"
+    )
     assert by_event["Application startup complete."]["logger"] == "uvicorn.error"
     assert "ZeroDivisionError" in by_event["engine step loop died"]["exception"]
     assert by_event["from structlog"]["n"] == 1

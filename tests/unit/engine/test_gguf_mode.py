@@ -12,7 +12,7 @@ from tokenweir.engine.llm import LLM
 from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES
 from tokenweir.engine.model.linear import Int8Linear, Q4Linear
 from tokenweir.engine.model.loader import load_gguf_blocks
-from tokenweir.engine.model.precision import resolve
+from tokenweir.engine.model.precision import CPU_FLAGS_OFF_ENV, resolve
 from tokenweir.engine.sched.sampling_params import SamplingParams
 
 
@@ -45,8 +45,15 @@ def test_the_loader_keeps_every_quantized_matrix_of_the_file_as_stored():
 @pytest.fixture(scope="module")
 def gguf_llm() -> LLM:
     """One `--quantization gguf` engine for the module (building one reads the file three times); 16-token steps, so
-    prompts are prefilled in chunks."""
-    return LLM(default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=16)
+    prompts are prefilled in chunks, in float32 as on a CPU without native bf16 (where bf16 is native, chunks of
+    more rows than the kernel's small-M limit go through a bf16 GEMM, whose rounding is not llama.cpp's)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CPU_FLAGS_OFF_ENV, "avx512_bf16,amx_bf16")
+        llm = LLM(
+            default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=16
+        )
+    assert llm.engine.precision.prefill_dtype == torch.float32
+    return llm
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def run_step(scheduler: Scheduler, tokens: dict[str, int]) -> list[Sequence]:
     """One step in which each sequence that reached the end of its tokens samples tokens[request_id]."""
     batch = scheduler.schedule()
     due = {seq.request_id for seq, n in batch.scheduled() if seq.num_computed_tokens + n == seq.num_tokens}
-    return scheduler.update(batch, {rid: token for rid, token in tokens.items() if rid in due})
+    return scheduler.update(batch, {rid: [token] for rid, token in tokens.items() if rid in due})
 
 
 def test_update_advances_appends_and_finishes_on_each_stop_condition():
@@ -104,3 +104,73 @@ def test_a_preempted_request_is_not_queried_again():
             break
     assert scheduler.num_preemptions > 0 and low.is_finished and high.is_finished
     assert bm.prefix_cache_queries == 14
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
+    scheduler = make_scheduler()
+    scheduler.chunked_prefill = False
+    scheduler.max_num_batched_tokens = 12
+    first = Sequence("first", list(range(10, 18)), SamplingParams(max_tokens=4))  # 8 tokens
+    second = Sequence("second", list(range(30, 40)), SamplingParams(max_tokens=4))  # 10: not in the 4 left
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert batch.prefills == [(first, 8)] and second in scheduler.waiting
+    scheduler.update(batch, {"first": [11]})
+    batch = scheduler.schedule()  # first's decode takes 1 of 12: second's 10 fit whole
+    assert batch.decodes == [first] and batch.prefills == [(second, 10)]
+
+
+def test_drafts_are_checked_accepted_ones_kept_refused_ones_given_back():
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    bm = scheduler.block_manager
+    seq = Sequence("s", [5, 6, 7], SamplingParams(max_tokens=20))
+    scheduler.add(seq)
+    run_step(scheduler, {"s": 8})  # prompt computed, first token 8 (position 3, not computed yet)
+    seq.draft_token_ids = [9, 10, 11, 12]
+    batch = scheduler.schedule()
+    assert batch.verifies == [seq] and list(batch.scheduled()) == [(seq, 5)] and batch.num_tokens == 5
+    assert len(seq.block_table) == 2  # positions 3..7 need a second block
+    hashes_before = list(seq.block_hashes)
+    stepped = scheduler.update(batch, {"s": [9, 10, 42]})  # drafts 9, 10 accepted, 11 refused, 42 in its place
+    assert stepped == [seq] and seq.num_new_tokens == 3 and seq.draft_token_ids == []
+    assert seq.output_token_ids == [8, 9, 10, 42] and seq.num_computed_tokens == 6  # 8, 9, 10's K/V kept
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 14
+    assert seq.block_hashes == hashes_before  # no draft entered the prefix cache
+    seq.draft_token_ids = [21, 22, 23, 24]
+    batch = scheduler.schedule()
+    assert len(seq.block_table) == 3  # room for positions 6..10
+    scheduler.update(batch, {"s": [99]})  # every draft refused
+    assert seq.output_token_ids[-1] == 99 and seq.num_computed_tokens == 7
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 14, "the refused drafts' block is given back"
+
+
+def test_drafts_stop_at_a_stop_token_and_at_max_tokens():
+    scheduler = make_scheduler()
+    stopping = Sequence("stop", [5, 6], SamplingParams(max_tokens=20))
+    capped = Sequence("cap", [5, 6, 7], SamplingParams(max_tokens=3))
+    for seq in (stopping, capped):
+        scheduler.add(seq)
+    run_step(scheduler, {"stop": 8, "cap": 8})
+    stopping.draft_token_ids = [9, EOS, 10]
+    capped.draft_token_ids = [9, 10]
+    batch = scheduler.schedule()
+    scheduler.update(batch, {"stop": [9, EOS, 10, 11], "cap": [9, 10, 12]})
+    assert stopping.output_token_ids == [8, 9, EOS] and stopping.finish_reason == "stop"
+    assert capped.output_token_ids == [8, 9, 10] and capped.finish_reason == "length"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_drafts_are_dropped_when_the_budget_or_the_blocks_run_short():
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    scheduler.max_num_batched_tokens = 3
+    seq = Sequence("s", [5, 6, 7], SamplingParams(max_tokens=20))
+    scheduler.add(seq)
+    run_step(scheduler, {"s": 8})
+    seq.draft_token_ids = [11, 12, 13, 14]
+    batch = scheduler.schedule()
+    assert batch.verifies == [seq] and seq.draft_token_ids == [11, 12]  # the budget of 3: the token and 2 drafts
+    scheduler.update(batch, {"s": [11, 12, 13]})
+    seq.draft_token_ids = [14, 15]  # positions 6..8: a third block, and there are two
+    batch = scheduler.schedule()
+    assert batch.decodes == [seq] and batch.verifies == [] and seq.draft_token_ids == []

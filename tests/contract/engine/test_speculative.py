@@ -1,0 +1,194 @@
+"""Speculative decoding (ngram prompt lookup) on the real default model, checked against the same engine without it:
+greedy tokens identical on 56 prompts (chat, code, JSON, copy-heavy edits, stories), alone and batched with strangers,
+with chunked prefill and prefix caching on, under preemption, with stop strings, max_tokens, n > 1, penalties and
+logprobs; sampling at temperature 1 not told apart by a chi-square test; every KV block back in the pool after
+accepted, refused, aborted and preempted drafts; the drafts really ran (acceptance counted in the metrics)."""
+
+import json
+
+import pytest
+import torch
+
+from tokenweir.common.text.model_files import default_model_path
+from tokenweir.engine.config import SpeculativeConfig
+from tokenweir.engine.core.metrics import EngineMetrics
+from tokenweir.engine.llm import LLM
+from tokenweir.engine.sched.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
+ENGINE = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "num_kv_blocks": 400, "enable_prefix_caching": True}
+
+
+def build_prompts() -> list[str]:
+    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    record = {"name": "Ada", "born": 1815, "field": "mathematics", "city": "London"}
+    prompts = [
+        f"{code}\nRename w to width and h to height in the code above:\n",
+        f"{code}\nAdd type hints to the code above:\n",
+        f"{json.dumps(record)}\nRepeat the JSON above with the city in upper case:\n",
+        f"{json.dumps(record)}\nExtract the name and the city as JSON:\n",
+        "Copy this sentence exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
+        "List: red, green, blue, red, green, blue, red, green,",
+        "Once upon a time",
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "Quote the first line of this text and summarize it. Text: Rivers carry water from the hills to the sea.",
+    ]
+    for i in range(46):
+        items = ", ".join(f"item{j * (i + 3) % 17}" for j in range(6 + i % 5))
+        kind = i % 4
+        if kind == 0:
+            prompts.append(f"Repeat the list twice: {items}.")
+        elif kind == 1:
+            prompts.append(
+                f"def f{i}(x):\n    return x + {i}\n\ndef g{i}(x):\n    return f{i}(x) * {i}\n\nTest f{i}:\n"
+            )
+        elif kind == 2:
+            prompts.append(json.dumps({"id": i, "tags": items.split(", ")}) + "\nThe tags above, one per line:\n")
+        else:
+            prompts.append(f"Story {i}: a fox named {items.split(', ')[0]} walked into the forest and")
+    return prompts
+
+
+PROMPTS = build_prompts()
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(default_model_path(), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    llm = LLM(default_model_path(), speculative=SPEC, **ENGINE)
+    llm.engine_metrics = EngineMetrics("spec")  # type: ignore[attr-defined]
+    step = llm.engine.step
+
+    def counted_step():
+        outputs = step()
+        llm.engine_metrics.observe_step(llm.engine.last_stats, 0.0)  # type: ignore[attr-defined]
+        return outputs
+
+    llm.engine.step = counted_step  # type: ignore[method-assign]
+    return llm
+
+
+def greedy(max_tokens: int = 32, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+
+
+def metric(llm: LLM, name: str) -> float:
+    value = llm.engine_metrics.registry.get_sample_value(f"tokenweir:{name}_total", {"model_name": "spec"})  # type: ignore[attr-defined]
+    return value or 0.0
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    bm = llm.engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran(plain, spec):
+    assert len(PROMPTS) >= 50
+    drafts_before = metric(spec, "spec_decode_num_draft_tokens")
+    alone = [spec.generate([p], greedy())[0].new_token_ids for p in PROMPTS]
+    assert alone == [plain.generate([p], greedy())[0].new_token_ids for p in PROMPTS]
+    batched = [o.new_token_ids for o in spec.generate(PROMPTS, greedy())]
+    assert batched == [o.new_token_ids for o in plain.generate(PROMPTS, greedy())]
+    drafted = metric(spec, "spec_decode_num_draft_tokens") - drafts_before
+    accepted = metric(spec, "spec_decode_num_accepted_tokens")
+    assert drafted > 500 and 0.2 * drafted < accepted < drafted, (drafted, accepted)
+    per_pos = [
+        spec.engine_metrics.registry.get_sample_value(  # type: ignore[attr-defined]
+            "tokenweir:spec_decode_num_accepted_tokens_per_pos_total", {"model_name": "spec", "position": str(i)}
+        )
+        for i in range(4)
+    ]
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0 and sum(per_pos) == accepted
+    assert all_blocks_free(spec)
+
+
+def test_stop_strings_max_tokens_n_penalties_and_logprobs_match_plain_decoding(plain, spec):
+    cases = [
+        greedy(40, stop=["height"]),
+        greedy(40, stop=["\n\n"], include_stop_str_in_output=True),
+        greedy(7),
+        greedy(24, n=3),
+        greedy(24, frequency_penalty=0.8, presence_penalty=0.5),
+        greedy(24, logprobs=3),
+        greedy(24, stop_token_ids=[28]),
+    ]
+    prompts = PROMPTS[:4]
+    for params in cases:
+        want = plain.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        for w, g in zip(want, got, strict=True):
+            assert g.new_token_ids == w.new_token_ids and g.new_text == w.new_text, params
+            assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)
+            if params.n == 1:  # with n > 1 the count is the request's so far, when choice 0 ended
+                assert g.num_output_tokens == w.num_output_tokens == len(w.new_token_ids)
+            if params.logprobs is not None:
+                assert len(g.logprobs) == len(w.logprobs) == len(w.new_token_ids)
+                for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                    assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 2e-3
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert all_blocks_free(spec)
+
+
+def test_under_preemption_and_aborts_the_tokens_hold_and_every_block_returns():
+    small = {**ENGINE, "num_kv_blocks": 24, "max_num_seqs": 8}
+    plain = LLM(default_model_path(), **small)
+    spec = LLM(default_model_path(), speculative=SPEC, **small)
+    prompts = PROMPTS[:8]
+    params = greedy(48, ignore_eos=True)
+    expected = [o.new_token_ids for o in plain.generate(prompts, params)]
+    assert [o.new_token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert all_blocks_free(spec)
+    engine = spec.engine
+    for i, p in enumerate(prompts):
+        tokens = engine.tokenizer.encode(p)
+        request = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        engine.validate(tokens, request)
+        engine.add_request(f"abort-{i}", tokens, request)
+    for _ in range(12):
+        engine.step()
+    for i in range(len(prompts)):
+        engine.abort_request(f"abort-{i}")
+    assert all_blocks_free(spec)
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of homogeneity on counts per category (categories with 5+ expected)."""
+    counts = torch.tensor([a, b], dtype=torch.float64)
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    df = counts.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
+
+
+def test_sampling_at_temperature_one_keeps_the_models_distribution(plain, spec):
+    prompt = "List: red, green, blue, red, green, blue, red, green, blue, red,"
+    samples = 600
+
+    def continuations(llm: LLM) -> dict[tuple[int, ...], int]:
+        params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(samples)]
+        counts: dict[tuple[int, ...], int] = {}
+        for out in llm.generate([prompt] * samples, params):
+            key = tuple(out.new_token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    drafted_before = metric(spec, "spec_decode_num_draft_tokens")
+    accepted_before = metric(spec, "spec_decode_num_accepted_tokens")
+    want, got = continuations(plain), continuations(spec)
+    drafted = metric(spec, "spec_decode_num_draft_tokens") - drafted_before
+    accepted = metric(spec, "spec_decode_num_accepted_tokens") - accepted_before
+    assert drafted > samples // 2 and 0 < accepted < 0.95 * drafted, (drafted, accepted)  # both outcomes ran
+    common = sorted(k for k in set(want) | set(got) if want.get(k, 0) + got.get(k, 0) >= 20)
+    assert len(common) >= 2, (want, got)
+    rest_want = samples - sum(want.get(k, 0) for k in common)
+    rest_got = samples - sum(got.get(k, 0) for k in common)
+    p = chi_square_p([want.get(k, 0) for k in common] + [rest_want], [got.get(k, 0) for k in common] + [rest_got])
+    assert p > 0.001, (p, want, got)
+    assert all_blocks_free(spec)
