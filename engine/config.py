@@ -40,7 +40,9 @@ class SpeculativeConfig:
     would have produced are kept (with one more token of its own), so a step can emit several tokens.
 
     method "ngram" (prompt lookup): the drafts are what followed the latest earlier occurrence of the sequence's last
-    n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its prompt and output so far. Drafting stops
+    n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its prompt and output so far. Method
+    "ngram_cache" adds, where that finds nothing, the most frequent continuations in an n-gram cache learned from the
+    outputs of finished requests (`cache_capacity` n-grams, least recently seen forgotten first). Drafting stops
     for the whole batch above `disable_by_batch_size` running sequences (a big batch is already compute-bound) and for
     a sequence whose drafts keep failing (its acceptance below `min_acceptance` over its last `acceptance_window`
     proposed tokens; it tries again `retry_after` tokens later)."""
@@ -53,14 +55,16 @@ class SpeculativeConfig:
     min_acceptance: float = 0.2
     acceptance_window: int = 32
     retry_after: int = 64
+    cache_capacity: int = 200_000
 
     def __post_init__(self) -> None:
-        methods = ("ngram",)
+        methods = ("ngram", "ngram_cache")
         assert self.method in methods, f"speculative method: one of {', '.join(methods)}, got {self.method!r}"
         assert 1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens: 1 to 16"
         assert 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min: 1 to prompt_lookup_max"
         assert self.disable_by_batch_size is None or self.disable_by_batch_size >= 1
         assert 0 <= self.min_acceptance <= 1 and self.acceptance_window >= 1 and self.retry_after >= 0
+        assert self.cache_capacity >= 1
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -88,13 +88,14 @@ def free_port() -> int:
 
 
 def start(
-    binary: str, model: str, parallel: int, threads: int, ctx_per_slot: int = 1400
+    binary: str, model: str, parallel: int, threads: int, ctx_per_slot: int = 1400, extra: list[str] | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """Start llama-server with `parallel` slots and wait until /health answers; returns (process, base URL)."""
+    """Start llama-server with `parallel` slots (and `extra` flags) and wait until /health answers; returns (process,
+    base URL)."""
     port = free_port()
     cmd = [
         binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel), "-t", str(threads),
-        "-c", str(ctx_per_slot * parallel), "--timeout", "3600", "--no-webui",
+        "-c", str(ctx_per_slot * parallel), "--timeout", "3600", "--no-webui", *(extra or []),
     ]  # fmt: skip
     log_path = f"/tmp/llama-server-{port}.log"  # its own log, for when it fails mid-run
     with open(log_path, "w") as log:

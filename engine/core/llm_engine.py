@@ -195,6 +195,10 @@ class LLMEngine:
                 outputs += self.fail_request(
                     failing.group_id, RequestError(why, code="invalid_response_format", param="response_format")
                 )
+        if self.proposer is not None:
+            for seq in stepped:
+                if seq.is_finished and seq.finish_reason in ("stop", "length"):
+                    self.proposer.learn(seq)
         self.last_stats = StepStats(
             num_generation_tokens=sum(seq.num_new_tokens for seq in stepped),
             spec=spec,

@@ -170,7 +170,10 @@ class Scheduler:
             budget -= num_new
 
         for seq, n in scheduled:
-            if n == 1:
+            # A prompt's last token alone is still a prefill chunk: every prompt position goes through the prefill
+            # kernel and every output position through the decode kernel, however the chunks fell, so a sequence's
+            # numbers do not depend on what it was batched with.
+            if n == 1 and not seq.is_prefilling:
                 out.decodes.append(seq)
             elif seq.draft_token_ids:
                 out.verifies.append(seq)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.spec.ngram_cache import NgramCache
 
 _WIDTH = 4  # bytes per packed token
 
@@ -30,10 +31,22 @@ class _Lookup:
 
 
 class NgramProposer:
+    """Prompt lookup; with method "ngram_cache", where the sequence itself has no match, the n-gram cache learned
+    from finished requests' outputs (engine/spec/ngram_cache.py)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
-        assert config.method == "ngram"
+        assert config.method in ("ngram", "ngram_cache")
         self.config = config
         self._state: weakref.WeakKeyDictionary[Sequence, _Lookup] = weakref.WeakKeyDictionary()
+        self.cache = None
+        if config.method == "ngram_cache":
+            self.cache = NgramCache(config.prompt_lookup_min, config.prompt_lookup_max, config.cache_capacity)
+
+    def learn(self, seq: Sequence) -> None:
+        """A finished sequence's output (with the prompt tokens just before it) goes into the cache."""
+        if self.cache is not None and seq.num_output_tokens:
+            start = max(0, seq.num_prompt_tokens - self.config.prompt_lookup_max)
+            self.cache.learn(seq.token_ids[start:])
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow `seq`'s tokens; [] when nothing matches or it is paused."""
@@ -49,7 +62,10 @@ class NgramProposer:
         if len(packed) > seq.num_tokens:  # never shrinks in this engine; rebuilt if it ever does
             del packed[:]
         packed.extend(seq.token_ids[len(packed) :])
-        return self._lookup(packed.tobytes(), len(packed), k)
+        drafts = self._lookup(packed.tobytes(), len(packed), k)
+        if not drafts and self.cache is not None:
+            drafts = self.cache.draft(seq.token_ids, k)
+        return drafts
 
     def _lookup(self, data: bytes, num_tokens: int, k: int) -> list[int]:
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max

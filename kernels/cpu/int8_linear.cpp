@@ -16,8 +16,10 @@
 template <int MT>
 static inline void rows_dot(const float* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
                             int64_t N) {
-  // U independent accumulators per row hide the FMA latency when few rows share a weight vector.
-  constexpr int U = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+  // U independent accumulators per row hide the FMA latency when few rows share a weight vector; U does not depend
+  // on MT, so a row comes out bit for bit the same whether it runs alone or in a tile (speculative decoding checks
+  // drafts as extra rows and must get plain decoding's logits).
+  constexpr int U = 2;  // the same for every MT: a row sums in one order whatever shares its tile
   __m256 acc[U][MT];
   float tail[MT] = {};
   for (int u = 0; u < U; ++u)

@@ -69,25 +69,32 @@ template <int DC>
 void run(const float* qp, const float* kp, const float* vp, const int32_t* btp, const int32_t* lp, float* op,
          int64_t B, int64_t Dr, const Shape& sh) {
   const int64_t D = DC > 0 ? DC : Dr, G = sh.G, Hkv = sh.Hkv, max_len = sh.nb * sh.S, Hq = G * Hkv;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, std::min<int64_t>(lp[b], max_len));
-  // Batch 1 has only Hkv tasks (3 for SmolLM2): on 2 threads one thread would do two while the other waits. Each
-  // context is split into P ranges of whole blocks, enough for the task count to be a multiple of the threads, but
-  // none under 64 tokens (not worth a merge). 1.5-2x at batch 1, 100-600 tokens, 2 threads.
-  const int64_t threads = at::get_num_threads(), heads = B * Hkv;
-  const int64_t P = heads >= 4 * threads ? 1
-                                         : std::max<int64_t>(1, std::min(threads / std::gcd(heads, threads),
-                                                                         longest / std::max<int64_t>(sh.S, 64)));
-  const int64_t span = ((longest + P - 1) / P + sh.S - 1) / sh.S * sh.S;
+  // Batch 1 has only Hkv tasks (3 for SmolLM2): on 2 threads one thread would do two while the other waits. So each
+  // context is split into up to `threads` ranges of whole blocks, none under 64 tokens (not worth a merge): 1.5-2x at
+  // batch 1, 100-600 tokens, 2 threads. The split of a row depends on its own length and the thread count only, never
+  // on the rest of the batch, so a row's output is bit for bit the same alone or batched (speculative decoding checks
+  // drafts as extra rows of a step and must see plain decoding's numbers).
+  const int64_t threads = at::get_num_threads();
+  const int64_t min_span = std::max<int64_t>(sh.S, 64);
+  std::vector<int64_t> first_task(B + 1, 0), splits(B), spans(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = std::min<int64_t>(lp[b], max_len);
+    splits[b] = std::max<int64_t>(1, std::min<int64_t>(threads, L / min_span));
+    spans[b] = ((L + splits[b] - 1) / splits[b] + sh.S - 1) / sh.S * sh.S;
+    first_task[b + 1] = first_task[b] + Hkv * splits[b];
+  }
+  const int64_t tasks = first_task[B];
   const int64_t part_size = G * (D + 2);  // out [G][D], then max [G] and sum [G]
-  std::vector<float> parts(P > 1 ? heads * P * part_size : 0);
-  at::parallel_for(0, heads * P, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> parts(tasks * part_size);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> stats(2 * G);
+    int64_t b = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hkv * P), h = task / P % Hkv, part = task % P;
+      while (task >= first_task[b + 1]) ++b;
+      const int64_t P = splits[b], h = (task - first_task[b]) / P, part = (task - first_task[b]) % P;
       const int64_t L = std::min<int64_t>(lp[b], max_len);
-      const int64_t t_begin = std::min(L, part * span), t_end = std::min(L, t_begin + span);
+      const int64_t t_begin = std::min(L, part * spans[b]), t_end = std::min(L, t_begin + spans[b]);
       float* out = P > 1 ? parts.data() + task * part_size : op + (b * Hq + h * G) * D;
       float* mx = P > 1 ? out + G * D : stats.data();
       float* sum = mx + G;
@@ -105,24 +112,27 @@ void run(const float* qp, const float* kp, const float* vp, const int32_t* btp, 
       }
     }
   });
-  if (P == 1) return;
-  for (int64_t task = 0; task < heads; ++task) {  // merge the P ranges of each (sequence, kv head), rescaled
-    const float* first = parts.data() + task * P * part_size;
-    for (int64_t g = 0; g < G; ++g) {
-      float* o = op + (task * G + g) * D;
-      std::fill(o, o + D, 0.f);
-      float m = kNoScore;
-      for (int64_t p = 0; p < P; ++p) m = std::max(m, first[p * part_size + G * D + g]);
-      if (m == kNoScore) continue;  // a padded row
-      float total = 0.f;
-      for (int64_t p = 0; p < P; ++p) {
-        const float* part = first + p * part_size;
-        const float w = std::exp(part[G * D + g] - m);
-        total += w * part[G * D + G + g];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * part[g * D + d];
+  for (int64_t b = 0; b < B; ++b) {  // merge the P ranges of each (sequence, kv head), rescaled
+    const int64_t P = splits[b];
+    if (P == 1) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* first = parts.data() + (first_task[b] + h * P) * part_size;
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (b * Hq + h * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float m = kNoScore;
+        for (int64_t p = 0; p < P; ++p) m = std::max(m, first[p * part_size + G * D + g]);
+        if (m == kNoScore) continue;  // a padded row
+        float total = 0.f;
+        for (int64_t p = 0; p < P; ++p) {
+          const float* part = first + p * part_size;
+          const float w = std::exp(part[G * D + g] - m);
+          total += w * part[G * D + G + g];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * part[g * D + d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
 }

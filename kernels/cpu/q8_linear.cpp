@@ -66,11 +66,13 @@ static inline __m256i group_dot(__m256i wa, __m256i wv, const int8_t* x, int64_t
 }
 
 // One weight row against MT activation rows: each group of 32 weights is loaded once per tile and its |w| shared by
-// the rows. A lone row alternates two accumulators, so the FMA latency does not serialise the groups.
+// the rows. Each row alternates two accumulators, so the FMA latency does not serialise the groups; the same two
+// whatever MT, so a row comes out bit for bit the same alone or in a tile (speculative decoding checks drafts as
+// extra rows and must get plain decoding's logits).
 template <int MT, int P>
 static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, const float* xd, int64_t K, float* y,
                             int64_t N) {
-  constexpr int U = MT == 1 ? 2 : 1;
+  constexpr int U = 2;
   const int64_t groups = K / QK;
   __m256 acc[U][MT];
   for (int u = 0; u < U; ++u)

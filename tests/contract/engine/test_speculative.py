@@ -1,10 +1,12 @@
-"""Speculative decoding (ngram prompt lookup) on the real default model, checked against the same engine without it:
-greedy tokens identical on 56 prompts (chat, code, JSON, copy-heavy edits, stories), alone and batched with strangers,
-with chunked prefill and prefix caching on, under preemption, with stop strings, max_tokens, n > 1, penalties and
-logprobs; sampling at temperature 1 not told apart by a chi-square test; every KV block back in the pool after
-accepted, refused, aborted and preempted drafts; the drafts really ran (acceptance counted in the metrics)."""
+"""Speculative decoding (prompt lookup, and with the n-gram cache learned across requests) on the real default model,
+checked against the same engine without it: greedy tokens identical on 56 prompts (chat, code, JSON, copy-heavy
+edits, stories), alone and batched with strangers, with chunked prefill and prefix caching on, under preemption, with
+stop strings, max_tokens, n > 1, penalties and logprobs; sampling at temperature 1 not told apart by a chi-square
+test; every KV block back in the pool after accepted, refused, aborted and preempted drafts; the drafts really ran
+(acceptance counted in the metrics)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,9 +61,9 @@ def plain() -> LLM:
     return LLM(default_model_path(), **ENGINE)
 
 
-@pytest.fixture(scope="module")
-def spec() -> LLM:
-    llm = LLM(default_model_path(), speculative=SPEC, **ENGINE)
+def counted(speculative: SpeculativeConfig) -> LLM:
+    """An engine speculating as configured, its steps counted in metrics of its own."""
+    llm = LLM(default_model_path(), speculative=speculative, **ENGINE)
     llm.engine_metrics = EngineMetrics("spec")  # type: ignore[attr-defined]
     step = llm.engine.step
 
@@ -72,6 +74,16 @@ def spec() -> LLM:
 
     llm.engine.step = counted_step  # type: ignore[method-assign]
     return llm
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return counted(SPEC)
+
+
+@pytest.fixture(scope="module")
+def spec_cache() -> LLM:
+    return counted(replace(SPEC, method="ngram_cache"))
 
 
 def greedy(max_tokens: int = 32, **extra) -> SamplingParams:
@@ -88,7 +100,9 @@ def all_blocks_free(llm: LLM) -> bool:
     return bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
 
 
-def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran(plain, spec):
+@pytest.mark.parametrize("method", ["spec", "spec_cache"])
+def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran(plain, method, request):
+    spec = request.getfixturevalue(method)
     assert len(PROMPTS) >= 50
     drafts_before = metric(spec, "spec_decode_num_draft_tokens")
     alone = [spec.generate([p], greedy())[0].new_token_ids for p in PROMPTS]

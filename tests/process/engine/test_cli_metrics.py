@@ -91,7 +91,7 @@ def test_every_lever_switches_from_the_command_line():
         ("{not json", "is not JSON"),
         ('["ngram"]', "a JSON object"),
         ('{"method": "ngram", "num_speculative_token": 3}', "unknown key(s) ['num_speculative_token']"),
-        ('{"method": "eagle"}', "speculative method: one of ngram"),
+        ('{"method": "eagle"}', "speculative method: one of ngram, ngram_cache"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens: 1 to 16"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min: 1 to prompt_lookup_max"),
     ],

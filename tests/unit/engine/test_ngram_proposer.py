@@ -7,6 +7,7 @@ import random
 from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.spec.ngram_cache import NgramCache
 from tokenweir.engine.spec.ngram_proposer import NgramProposer
 
 
@@ -69,3 +70,37 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_then_tries_again():
     proposer.record(seq, 4, 1)
     proposer.record(seq, 4, 1)  # 2 of 8: still at the threshold's edge (0.25 * 8 = 2), not under it
     assert proposer.propose(seq, 16)
+
+
+def test_the_cache_drafts_what_followed_in_earlier_outputs_longest_ngram_first():
+    cache = NgramCache(n_min=1, n_max=2, capacity=1000)
+    cache.learn([1, 2, 3, 4, 1, 2, 3, 5])  # after (1, 2): 3 twice; after (3,): 4 once, 5 once
+    cache.learn([7, 3, 9])  # after (3,): 9 once more; after (7, 3): 9
+    assert cache.draft([8, 1, 2], 3) == [3, 4, 1]  # (1, 2) -> 3; (2, 3) -> 4 (first seen of the tie); (3, 4) -> 1
+    assert cache.draft([7, 3], 2) == [9]  # (7, 3) -> 9, then (3, 9) and (9,) are unknown
+    assert cache.draft([42], 4) == []
+
+
+def test_the_cache_forgets_the_least_recently_seen_ngrams_past_its_capacity():
+    cache = NgramCache(n_min=1, n_max=1, capacity=3)
+    cache.learn([1, 2, 3, 4])  # (1,) (2,) (3,)
+    cache.learn([1, 9])  # (1,) seen again: (2,) is now the oldest
+    cache.learn([5, 6])  # (5,) in, (2,) out
+    assert len(cache) == 3
+    assert cache.draft([2], 1) == [] and cache.draft([1], 1) in ([2], [9]) and cache.draft([5], 1) == [6]
+
+
+def test_the_cache_method_learns_from_finished_outputs_where_the_prompt_has_no_match():
+    config = SpeculativeConfig(method="ngram_cache", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    proposer = NgramProposer(config)
+    first = Sequence("a", [10, 11], SamplingParams())
+    for token in [20, 21, 22, 23]:
+        first.append_token(token)
+    proposer.learn(first)  # the output with the prompt's last 2 tokens: 10 11 20 21 22 23
+    second = Sequence("b", [50, 51, 20], SamplingParams())
+    assert proposer.propose(second, 8) == [21, 22, 23]  # nothing in its own tokens: the cache answers
+    third = Sequence("c", [20, 30, 20], SamplingParams())
+    assert proposer.propose(third, 8) == [30, 20]  # its own tokens first (prompt lookup)
+    plain = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2))
+    plain.learn(first)
+    assert plain.propose(second, 8) == []
