@@ -45,9 +45,15 @@ class SpeculativeConfig:
     outputs of finished requests (`cache_capacity` n-grams, least recently seen forgotten first). Drafting stops
     for the whole batch above `disable_by_batch_size` running sequences (a big batch is already compute-bound) and for
     a sequence whose drafts keep failing (its acceptance below `min_acceptance` over its last `acceptance_window`
-    proposed tokens; it tries again `retry_after` tokens later)."""
+    proposed tokens; it tries again `retry_after` tokens later).
+
+    Method "draft_model" (vLLM infers it from a `model` key): a smaller model with the target's tokenizer, at `model`
+    (a .gguf file or a HF directory), proposes the drafts greedily from a KV cache of its own (as many blocks as the
+    target's pool; `draft_num_kv_blocks` sets it)."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model (method draft_model)
+    draft_num_kv_blocks: int | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -58,8 +64,12 @@ class SpeculativeConfig:
     cache_capacity: int = 200_000
 
     def __post_init__(self) -> None:
-        methods = ("ngram", "ngram_cache")
+        methods = ("ngram", "ngram_cache", "draft_model")
         assert self.method in methods, f"speculative method: one of {', '.join(methods)}, got {self.method!r}"
+        assert (self.method == "draft_model") == bool(self.model), (
+            'method "draft_model" takes the draft model\'s path as "model"; the n-gram methods take none'
+        )
+        assert self.draft_num_kv_blocks is None or self.draft_num_kv_blocks >= 1
         assert 1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens: 1 to 16"
         assert 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min: 1 to prompt_lookup_max"
         assert self.disable_by_batch_size is None or self.disable_by_batch_size >= 1
@@ -75,6 +85,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config is not JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError('--speculative-config: a JSON object, e.g. \'{"method": "ngram", ...}\'')
+        if raw.get("model") and "method" not in raw:
+            raw["method"] = "draft_model"  # as vLLM infers it
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -85,10 +97,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: {e}") from None
 
     def describe(self) -> str:
-        return (
-            f"{self.method} k={self.num_speculative_tokens} n={self.prompt_lookup_min}..{self.prompt_lookup_max} "
-            f"off above {self.disable_by_batch_size} running"
-        )
+        source = f"model={self.model}" if self.model else f"n={self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        return f"{self.method} k={self.num_speculative_tokens} {source} off above {self.disable_by_batch_size} running"
 
 
 @dataclass

@@ -26,6 +26,7 @@ from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.scheduler import Scheduler, SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence
 from tokenweir.engine.sched.stats import SchedulerStats, SpecDecodingStats, StepStats
+from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
 from tokenweir.engine.spec.ngram_proposer import NgramProposer
 from tokenweir.engine.worker.model_runner import ModelRunner
 
@@ -69,7 +70,12 @@ class LLMEngine:
             eos_token_ids=self.stop_token_ids,
             chunked_prefill=config.enable_chunked_prefill,
         )
-        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            vocab_size = self.model_config.vocab_size
+            self.proposer = DraftModelProposer(config.speculative, config, vocab_size, self.stop_token_ids)
+        elif config.speculative is not None:
+            self.proposer = NgramProposer(config.speculative)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.sampler)
         self._structured = None  # engine.text.structured.StructuredOutputs, made on the first request that needs it
         self.last_stats = StepStats()
@@ -197,8 +203,8 @@ class LLMEngine:
                 )
         if self.proposer is not None:
             for seq in stepped:
-                if seq.is_finished and seq.finish_reason in ("stop", "length"):
-                    self.proposer.learn(seq)
+                if seq.is_finished:
+                    self.proposer.finished(seq)
         self.last_stats = StepStats(
             num_generation_tokens=sum(seq.num_new_tokens for seq in stepped),
             spec=spec,
@@ -217,6 +223,7 @@ class LLMEngine:
         limit = self.proposer.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
+        requests: list[tuple[Sequence, int]] = []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not _may_speculate(seq):
                 continue
@@ -224,7 +231,9 @@ class LLMEngine:
             assert params.max_tokens is not None
             # never a draft past max_tokens or the context: the tokens a step emits are its drafts and one more
             room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            seq.draft_token_ids = self.proposer.propose(seq, room)
+            requests.append((seq, room))
+        for (seq, _), drafts in zip(requests, self.proposer.propose_batch(requests), strict=True):
+            seq.draft_token_ids = drafts
 
     def _record_drafts(self, batch: SchedulerOutput, sampled: dict[str, list[int]]) -> SpecDecodingStats | None:
         """This step's drafts and how many of each sequence's were accepted (before update clears them)."""
@@ -236,15 +245,17 @@ class LLMEngine:
             if drafts and seq.request_id in sampled:
                 accepted = len(sampled[seq.request_id]) - 1
                 stats.observe(len(drafts), accepted)
+                seq.num_draft_tokens += len(drafts)
+                seq.num_accepted_tokens += accepted
                 self.proposer.record(seq, len(drafts), accepted)
         return stats
 
 
 def _may_speculate(seq: Sequence) -> bool:
-    """Drafts are checked against the sequence's own sampling; a grammar's state and prompt logprobs are not (yet)
-    carried through a verification, and a request may opt out."""
+    """Drafts are checked against the sequence's own sampling (a grammar's masks walk them); prompt logprobs are
+    scored by prefill rows, not verification rows; a request may opt out."""
     params = seq.params
-    return seq.matcher is None and params.prompt_logprobs is None and params.speculative
+    return params.prompt_logprobs is None and params.speculative
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:

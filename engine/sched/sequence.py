@@ -71,6 +71,8 @@ class Sequence:
         # token_ids, the block hashes or the prefix cache until accepted)
         self.draft_token_ids: list[int] = []
         self.num_new_tokens = 0  # tokens its last step appended (more than one where drafts were accepted)
+        self.num_draft_tokens = 0  # drafts it checked, over its life
+        self.num_accepted_tokens = 0  # of those, the ones the model agreed with
         # timestamps for metrics (monotonic seconds)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -3,31 +3,20 @@ occurrence of its last n tokens, for the longest n in [prompt_lookup_min, prompt
 compute, and right often where the output copies from the prompt or from itself (code edits, quoting, extraction).
 
 Each sequence's tokens are kept as packed 32-bit integers, extended as it grows, so a lookup is one `bytes.rfind` in
-C rather than a Python loop over the context. The proposer also keeps each sequence's recent acceptance: one whose
-drafts keep being refused stops drafting for a while (they would cost compute and win nothing).
+C rather than a Python loop over the context. A sequence whose drafts keep failing pauses (engine/spec/acceptance.py).
 """
 
 from __future__ import annotations
 
 import array
 import weakref
-from collections import deque
-from dataclasses import dataclass, field
 
 from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.sequence import Sequence
+from tokenweir.engine.spec.acceptance import AcceptanceGate
 from tokenweir.engine.spec.ngram_cache import NgramCache
 
 _WIDTH = 4  # bytes per packed token
-
-
-@dataclass
-class _Lookup:
-    packed: array.array = field(default_factory=lambda: array.array("i"))
-    outcomes: deque[tuple[int, int]] = field(default_factory=deque)  # (proposed, accepted) of its recent steps
-    proposed: int = 0  # sums over `outcomes`
-    accepted: int = 0
-    paused_until: int = 0  # no drafts before the sequence has this many tokens
 
 
 class NgramProposer:
@@ -37,28 +26,31 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.method in ("ngram", "ngram_cache")
         self.config = config
-        self._state: weakref.WeakKeyDictionary[Sequence, _Lookup] = weakref.WeakKeyDictionary()
+        self.gate = AcceptanceGate(config)
+        self._packed: weakref.WeakKeyDictionary[Sequence, array.array] = weakref.WeakKeyDictionary()
         self.cache = None
         if config.method == "ngram_cache":
             self.cache = NgramCache(config.prompt_lookup_min, config.prompt_lookup_max, config.cache_capacity)
 
-    def learn(self, seq: Sequence) -> None:
-        """A finished sequence's output (with the prompt tokens just before it) goes into the cache."""
-        if self.cache is not None and seq.num_output_tokens:
+    def finished(self, seq: Sequence) -> None:
+        """A sequence that ended: its output (with the prompt tokens just before it) goes into the cache, unless it
+        was cut short."""
+        if self.cache is not None and seq.num_output_tokens and seq.finish_reason in ("stop", "length"):
             start = max(0, seq.num_prompt_tokens - self.config.prompt_lookup_max)
             self.cache.learn(seq.token_ids[start:])
+
+    def propose_batch(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Drafts for each (sequence, most drafts it may take)."""
+        return [self.propose(seq, max_drafts) for seq, max_drafts in requests]
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow `seq`'s tokens; [] when nothing matches or it is paused."""
         k = min(self.config.num_speculative_tokens, max_drafts)
-        if k <= 0:
+        if k <= 0 or not self.gate.is_open(seq):
             return []
-        state = self._state.get(seq)
-        if state is None:
-            state = self._state[seq] = _Lookup()
-        if seq.num_tokens < state.paused_until:
-            return []
-        packed = state.packed
+        packed = self._packed.get(seq)
+        if packed is None:
+            packed = self._packed[seq] = array.array("i")
         if len(packed) > seq.num_tokens:  # never shrinks in this engine; rebuilt if it ever does
             del packed[:]
         packed.extend(seq.token_ids[len(packed) :])
@@ -84,20 +76,4 @@ class NgramProposer:
         return []
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """One verification's outcome; a sequence whose acceptance over its last `acceptance_window` proposed tokens
-        fell below `min_acceptance` pauses for `retry_after` tokens."""
-        state = self._state.get(seq)
-        if state is None or proposed == 0:
-            return
-        state.outcomes.append((proposed, accepted))
-        state.proposed += proposed
-        state.accepted += accepted
-        window = self.config.acceptance_window
-        while state.proposed - state.outcomes[0][0] >= window:
-            old_proposed, old_accepted = state.outcomes.popleft()
-            state.proposed -= old_proposed
-            state.accepted -= old_accepted
-        if state.proposed >= window and state.accepted < self.config.min_acceptance * state.proposed:
-            state.paused_until = seq.num_tokens + self.config.retry_after
-            state.outcomes.clear()
-            state.proposed = state.accepted = 0
+        self.gate.record(seq, proposed, accepted)

@@ -270,17 +270,45 @@ class StructuredOutputs:
         matchers = list(matchers)  # the caller may reuse its list while the worker reads this one
         return self._worker.submit(self.fill_masks, matchers, out)
 
+    def fill_draft_masks(self, matcher: Matcher, drafts: Sequence[int]) -> torch.Tensor:
+        """Masks for checking a sequence's drafts (speculative decoding): row j is the grammar's mask after the
+        drafts before j, as plain decoding would have it had they been sampled. The matcher walks the drafts and is
+        rolled back to where it stood. A draft the grammar refuses, or a stop token, ends the walk: the rows after it
+        repeat its row (their samples are never kept, since that draft cannot be accepted or ends the sequence)."""
+        out = self.allocate_masks(len(drafts) + 1)
+        ptr, row_bytes = out.data_ptr(), self.mask_words * 4
+        m = matcher._m
+        m.unsafe_compute_mask_ptr(ptr, row_bytes)
+        walked = 0
+        for draft in drafts:
+            if draft in self.stop_token_ids or m.try_consume_tokens([draft]) != 1:
+                break
+            walked += 1
+            m.unsafe_compute_mask_ptr(ptr + walked * row_bytes, row_bytes)
+        out[walked + 1 :] = out[walked]
+        if walked:
+            assert m.rollback(walked), m.get_error()
+        return out
+
+    def draft_masks_async(self, pending: Sequence[tuple[Matcher, list[int]]]) -> Future[list[torch.Tensor]]:
+        """fill_draft_masks for each (matcher, drafts) on the worker thread, overlapping the forward; call .result()
+        before the next accept() on these matchers."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structured-masks")
+        pending = [(m, list(d)) for m, d in pending]
+        return self._worker.submit(lambda: [self.fill_draft_masks(m, d) for m, d in pending])
+
     def apply_masks(
         self,
         logits: torch.Tensor,
         rows: Sequence[int],
-        matchers: Sequence[Matcher],
+        matchers: Sequence[Matcher] | None,
         masks: torch.Tensor | None = None,
     ) -> None:
         """Mask logits[rows[i]] by matchers[i]'s grammar, in place: fill_masks (unless `masks` already holds them,
-        e.g. from fill_masks_async) then apply_token_bitmask."""
-        assert len(rows) == len(matchers)
+        e.g. from fill_masks_async or fill_draft_masks, when `matchers` may be None) then apply_token_bitmask."""
         if masks is None:
+            assert matchers is not None and len(rows) == len(matchers)
             masks = self.fill_masks(matchers)
         apply_token_bitmask(logits, masks[: len(rows)], rows)
 

@@ -9,6 +9,7 @@ position is computed once."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from tokenweir.engine.model.precision import resolve as resolve_precision
 from tokenweir.engine.sched.scheduler import SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
 from tokenweir.engine.worker.kv_sizing import kv_block_bytes, num_kv_blocks
-from tokenweir.engine.worker.sampler import DraftRow, Sampler, token_logprob
+from tokenweir.engine.worker.sampler import DraftRow, Sampler, grammar_failure, token_logprob
 
 log = logging.getLogger("tokenweir.engine")
 
@@ -200,6 +201,8 @@ class ModelRunner:
         # Grammar masks are computed on a worker thread while the forward runs (both release the GIL).
         guided = [seq.matcher for seq in sampled if seq.matcher is not None]
         masks = self.sampler.structured.fill_masks_async(guided) if guided else None
+        guided_drafts = [(seq.matcher, seq.draft_token_ids) for seq in verified if seq.matcher is not None]
+        draft_masks = self.sampler.structured.draft_masks_async(guided_drafts) if guided_drafts else None
         logits = self.model.forward(
             prepared.input_ids, prepared.positions, self.kv_caches, prepared.attention, prepared.logits_indices
         )
@@ -221,24 +224,37 @@ class ModelRunner:
                     logprobs[rid] = [lp]
         if verified:
             verify_logits = logits[len(sampled) : len(sampled) + num_verify_rows]
-            self._verify(verify_logits, verified, tokens, logprobs)
+            self._verify(verify_logits, verified, draft_masks.result() if draft_masks else [], tokens, logprobs, failed)
         return tokens, logprobs, failed
 
     def _verify(
         self,
         logits: torch.Tensor,
         verified: list[Sequence],
+        grammar_masks: list[torch.Tensor],
         tokens: dict[str, list[int]],
         logprobs: dict[str, list[TokenLogprob]],
+        failed: dict[str, str],
     ) -> None:
         """Sample every position as if the drafts before it were accepted, and keep the drafts up to the first one
         the sample differs from, plus the sample there (or after the last draft). For a draft d this accepts it with
         probability p(d) and otherwise emits a token drawn from p without d: the rejection sampling of speculative
         decoding for a deterministic proposer, so the output follows the target model's distribution exactly
-        (greedy: the tokens plain decoding would give)."""
+        (greedy: the tokens plain decoding would give). A sequence with a grammar samples each row under the mask
+        of its drafts so far (`grammar_masks`, one tensor per such sequence in order); its matcher then takes the
+        emitted tokens."""
         rows = [DraftRow(seq, seq.draft_token_ids[:j]) for seq in verified for j in range(len(seq.draft_token_ids) + 1)]
-        out = self.sampler(logits, rows)
-        assert not out.failed  # a sequence with a grammar proposes no drafts
+        draft_masks = None
+        if grammar_masks:
+            first_rows = itertools.accumulate((1 + len(seq.draft_token_ids) for seq in verified), initial=0)
+            guided_rows = [
+                first + j
+                for seq, first in zip(verified, first_rows, strict=False)
+                if seq.matcher is not None
+                for j in range(1 + len(seq.draft_token_ids))
+            ]
+            draft_masks = (guided_rows, torch.cat(grammar_masks))
+        out = self.sampler(logits, rows, draft_masks=draft_masks)
         first = 0
         for seq in verified:
             drafts = seq.draft_token_ids
@@ -247,9 +263,13 @@ class ModelRunner:
                 emitted.append(out.token_ids[first + j])
                 if j == len(drafts) or emitted[-1] != drafts[j]:
                     break
-            tokens[seq.request_id] = emitted
-            if seq.params.logprobs is not None:
-                logprobs[seq.request_id] = [lp for lp in out.logprobs[first : first + len(emitted)] if lp is not None]
+            if seq.matcher is not None and (why := _advance_grammar(seq, emitted, self.sampler)) is not None:
+                failed[seq.request_id] = why
+            else:
+                tokens[seq.request_id] = emitted
+                if seq.params.logprobs is not None:
+                    emitted_logprobs = out.logprobs[first : first + len(emitted)]
+                    logprobs[seq.request_id] = [lp for lp in emitted_logprobs if lp is not None]
             first += len(drafts) + 1
 
     @staticmethod
@@ -259,3 +279,19 @@ class ModelRunner:
             k = seq.params.prompt_logprobs
             assert k is not None  # only a sequence that asked for prompt logprobs has rows here
             seq.prompt_logprobs.append(token_logprob(row, seq.token_ids[p + 1], k))
+
+
+def _advance_grammar(seq: Sequence, emitted: list[int], sampler: Sampler) -> str | None:
+    """Feed a guided sequence's emitted tokens to its matcher, up to a stop token (the tokens after one are dropped
+    by the scheduler); why it failed, or None. Each was sampled under its mask, so only a grammar past the parser's
+    limits refuses one, as in plain decoding."""
+    matcher = seq.matcher
+    assert matcher is not None and sampler.structured is not None
+    for token_id in emitted:
+        if not matcher.accept(token_id):
+            why = grammar_failure(matcher.error)
+            sampler.structured.refuse(matcher.grammar, why)
+            return why
+        if matcher.is_terminated:
+            break
+    return None

@@ -21,8 +21,8 @@ from tokenweir.engine.sched.sequence import Sequence, TokenLogprob
 
 class DraftRow:
     """A row that checks a draft: its sequence as it would stand had the drafts before this row been accepted, so
-    penalties count them. What the sampler reads of a sequence; such a sequence has no grammar (it proposes no
-    drafts), and its seeded generator is the sequence's own."""
+    penalties count them. What the sampler reads of a sequence; its seeded generator is the sequence's own. Its
+    grammar's mask comes precomputed (Sampler's draft_masks), so the row itself has no matcher to advance."""
 
     __slots__ = ("seq", "extra")
     matcher = None
@@ -82,10 +82,15 @@ class Sampler:
 
     @torch.inference_mode()  # the logits are inference tensors, and penalties edit them in place
     def __call__(
-        self, logits: torch.Tensor, seqs: abc.Sequence[Row], masks: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: abc.Sequence[Row],
+        masks: torch.Tensor | None = None,
+        draft_masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """logits: float32 [len(seqs), vocab]. masks: the grammar masks of the rows with a matcher, in row order, if
-        already computed (StructuredOutputs.fill_masks_async)."""
+        already computed (StructuredOutputs.fill_masks_async). draft_masks: (rows, their masks) for draft rows of
+        sequences with a grammar (StructuredOutputs.fill_draft_masks); the caller advances those matchers."""
         assert logits.shape[0] == len(seqs)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -94,6 +99,8 @@ class Sampler:
         matchers = [m for s in seqs if (m := s.matcher) is not None]  # row guided[k]'s is matchers[k]
         if guided:
             self.structured.apply_masks(logits, guided, matchers, masks)
+        if draft_masks is not None:
+            self.structured.apply_masks(logits, draft_masks[0], None, draft_masks[1])
         token_ids = self._sample(logits, seqs)
         failed: dict[int, str] = {}
         for i, matcher in zip(guided, matchers, strict=True):

@@ -1,13 +1,15 @@
-"""Speculative decoding (prompt lookup, and with the n-gram cache learned across requests) on the real default model,
-checked against the same engine without it: greedy tokens identical on 56 prompts (chat, code, JSON, copy-heavy
-edits, stories), alone and batched with strangers, with chunked prefill and prefix caching on, under preemption, with
-stop strings, max_tokens, n > 1, penalties and logprobs; sampling at temperature 1 not told apart by a chi-square
-test; every KV block back in the pool after accepted, refused, aborted and preempted drafts; the drafts really ran
-(acceptance counted in the metrics)."""
+"""Speculative decoding on the real default model (prompt lookup, with the n-gram cache learned across requests, and
+by a draft model: the default model drafting for itself), checked against the same engine without it: greedy tokens
+identical on 56 prompts (chat, code, JSON, copy-heavy edits, stories), alone and batched with strangers, with chunked
+prefill and prefix caching on, under preemption, with stop strings, max_tokens, n > 1, penalties, logprobs and
+structured outputs (valid under their schema); sampling at temperature 1 not told apart by a chi-square test; every
+KV block back in the pool (the draft model's too) after accepted, refused, aborted and preempted drafts; the drafts
+really ran (acceptance counted in the metrics)."""
 
 import json
 from dataclasses import replace
 
+import jsonschema
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.core.metrics import EngineMetrics
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.sched.sampling_params import SamplingParams
+from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
 
 pytestmark = pytest.mark.slow
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
@@ -86,6 +89,12 @@ def spec_cache() -> LLM:
     return counted(replace(SPEC, method="ngram_cache"))
 
 
+@pytest.fixture(scope="module")
+def spec_draft() -> LLM:
+    """The default model drafting for itself: correctness, not speed."""
+    return counted(replace(SPEC, method="draft_model", model=default_model_path()))
+
+
 def greedy(max_tokens: int = 32, **extra) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
 
@@ -96,8 +105,13 @@ def metric(llm: LLM, name: str) -> float:
 
 
 def all_blocks_free(llm: LLM) -> bool:
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+    """Every KV block back in the pool, the draft model's too."""
+    pools = [llm.engine.block_manager]
+    if isinstance(llm.engine.proposer, DraftModelProposer):
+        llm.engine.proposer.release_finished()
+        pools.append(llm.engine.proposer.block_manager)
+    full = all(bm.num_free_blocks == bm.num_blocks for bm in pools)
+    return full and not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("method", ["spec", "spec_cache"])
@@ -120,6 +134,24 @@ def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran
     ]
     assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0 and sum(per_pos) == accepted
     assert all_blocks_free(spec)
+
+
+def test_a_draft_model_gives_plain_decodings_tokens_and_drafting_for_itself_is_almost_always_right(plain, spec_draft):
+    prompts = PROMPTS[::3]
+    drafted_before = metric(spec_draft, "spec_decode_num_draft_tokens")
+    accepted_before = metric(spec_draft, "spec_decode_num_accepted_tokens")
+    alone = [spec_draft.generate([p], greedy())[0].new_token_ids for p in prompts]
+    assert alone == [plain.generate([p], greedy())[0].new_token_ids for p in prompts]
+    batched = [o.new_token_ids for o in spec_draft.generate(prompts, greedy())]
+    assert batched == [o.new_token_ids for o in plain.generate(prompts, greedy())]
+    drafted = metric(spec_draft, "spec_decode_num_draft_tokens") - drafted_before
+    accepted = metric(spec_draft, "spec_decode_num_accepted_tokens") - accepted_before
+    # a draft is refused only where two ways of computing the same logits disagree on a near tie
+    assert drafted > 300 and accepted >= 0.9 * drafted, (drafted, accepted)
+    assert all_blocks_free(spec_draft)
+    with pytest.raises(ValueError, match='"draft_model" takes the draft model'):
+        SpeculativeConfig.from_json('{"method": "draft_model"}')
+    assert SpeculativeConfig.from_json('{"model": "/m.gguf"}').method == "draft_model"  # as vLLM infers it
 
 
 def test_stop_strings_max_tokens_n_penalties_and_logprobs_match_plain_decoding(plain, spec):
@@ -149,10 +181,72 @@ def test_stop_strings_max_tokens_n_penalties_and_logprobs_match_plain_decoding(p
     assert all_blocks_free(spec)
 
 
-def test_under_preemption_and_aborts_the_tokens_hold_and_every_block_returns():
+def test_structured_outputs_speculate_and_give_plain_decodings_tokens_valid_under_the_schema(plain, spec):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"}},
+        "required": ["name", "born", "city"],
+    }
+    formats = [{"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}, {"type": "json_object"}]
+    records = [
+        {"name": n, "born": 1800 + 7 * i, "city": c}
+        for i, (n, c) in enumerate(zip(["Ada", "Alan", "Grace"], ["London", "Wilmslow", "Arlington"], strict=True))
+    ]
+    # compact JSON in the prompt, as the grammar writes it, so the copy is there to be found
+    prompts = [f"{json.dumps(r, separators=(',', ':'))}\nRepeat the JSON above exactly:\n" for r in records]
+    prompts += PROMPTS[2:4]
+    drafted_before = metric(spec, "spec_decode_num_draft_tokens")
+    accepted_before = metric(spec, "spec_decode_num_accepted_tokens")
+    for response_format in formats:
+        for params in (greedy(48, structured=response_format), greedy(48, structured=response_format, logprobs=2)):
+            want = plain.generate(prompts, params)
+            got = spec.generate(prompts, params)
+            for w, g in zip(want, got, strict=True):
+                assert g.new_token_ids == w.new_token_ids and g.finish_reason == w.finish_reason, response_format
+                if g.finish_reason == "stop":
+                    document = json.loads(g.new_text)
+                    if response_format["type"] == "json_schema":
+                        jsonschema.validate(document, schema)
+                if params.logprobs is not None:
+                    assert [lp.token_id for lp in g.logprobs] == w.new_token_ids
+    assert sum(o.finish_reason == "stop" for o in got) >= 3
+    drafted = metric(spec, "spec_decode_num_draft_tokens") - drafted_before
+    accepted = metric(spec, "spec_decode_num_accepted_tokens") - accepted_before
+    assert drafted > 50 and accepted > 0.3 * drafted, (drafted, accepted)  # copying JSON: most drafts hold
+    assert all_blocks_free(spec)
+
+
+def test_a_grammar_that_refuses_a_draft_cuts_it_and_the_matcher_stands_where_it_was(plain):
+    structured = plain.engine.structured
+    grammar = structured.compile(
+        {
+            "type": "json_schema",
+            "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+        }
+    )
+    tokenizer = plain.engine.tokenizer
+    good = tokenizer.encode('{"a":12')
+    bad = tokenizer.encode('"x"')
+    matcher = structured.matcher(grammar)
+    masks = structured.fill_draft_masks(matcher, good + bad)
+    assert masks.shape[0] == len(good) + len(bad) + 1
+    walker = structured.matcher(grammar)
+    for j, token_id in enumerate(good):  # row j is the mask after the drafts before it
+        assert torch.equal(masks[j], structured.fill_masks([walker])[0])
+        assert walker.accept(token_id)
+    after_good = structured.fill_masks([walker])[0]
+    assert torch.equal(masks[len(good)], after_good)
+    assert all(torch.equal(row, after_good) for row in masks[len(good) :])  # the refused draft ends the walk
+    assert torch.equal(structured.fill_masks([matcher])[0], masks[0])  # rolled back to the start
+    assert matcher.accept(good[0])
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_under_preemption_and_aborts_the_tokens_hold_and_every_block_returns(method):
     small = {**ENGINE, "num_kv_blocks": 24, "max_num_seqs": 8}
     plain = LLM(default_model_path(), **small)
-    spec = LLM(default_model_path(), speculative=SPEC, **small)
+    draft = {"model": default_model_path()} if method == "draft_model" else {}
+    spec = LLM(default_model_path(), speculative=replace(SPEC, method=method, **draft), **small)
     prompts = PROMPTS[:8]
     params = greedy(48, ignore_eos=True)
     expected = [o.new_token_ids for o in plain.generate(prompts, params)]
@@ -181,7 +275,9 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
 
 
-def test_sampling_at_temperature_one_keeps_the_models_distribution(plain, spec):
+@pytest.mark.parametrize("method", ["spec", "spec_draft"])
+def test_sampling_at_temperature_one_keeps_the_models_distribution(plain, method, request):
+    spec = request.getfixturevalue(method)
     prompt = "List: red, green, blue, red, green, blue, red, green, blue, red,"
     samples = 600
 

@@ -96,11 +96,15 @@ def test_the_cache_method_learns_from_finished_outputs_where_the_prompt_has_no_m
     first = Sequence("a", [10, 11], SamplingParams())
     for token in [20, 21, 22, 23]:
         first.append_token(token)
-    proposer.learn(first)  # the output with the prompt's last 2 tokens: 10 11 20 21 22 23
+    first.finish_reason = "abort"
+    proposer.finished(first)  # cut short: not learned
+    assert proposer.propose(Sequence("b", [50, 51, 20], SamplingParams()), 8) == []
+    first.finish_reason = "stop"
+    proposer.finished(first)  # the output with the prompt's last 2 tokens: 10 11 20 21 22 23
     second = Sequence("b", [50, 51, 20], SamplingParams())
     assert proposer.propose(second, 8) == [21, 22, 23]  # nothing in its own tokens: the cache answers
     third = Sequence("c", [20, 30, 20], SamplingParams())
     assert proposer.propose(third, 8) == [30, 20]  # its own tokens first (prompt lookup)
     plain = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2))
-    plain.learn(first)
+    plain.finished(first)
     assert plain.propose(second, 8) == []
