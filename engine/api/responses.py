@@ -13,11 +13,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0  # speculative decoding's drafts the model agreed with
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # only where drafts were checked
 
 
 class TopLogprob(BaseModel):
@@ -147,6 +153,9 @@ class ModelList(BaseModel):
 def dump_response(response: BaseModel) -> dict:
     """A response model as JSON data. `token_ids` appear only where asked for (vLLM omits the key otherwise)."""
     data = response.model_dump(mode="json")
+    usage = data.get("usage")
+    if usage and usage.get("completion_tokens_details") is None:
+        del usage["completion_tokens_details"]
     for choice in data.get("choices", []):
         if choice.get("token_ids") is None:
             choice.pop("token_ids", None)

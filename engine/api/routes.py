@@ -270,8 +270,7 @@ async def collect(request: Request, stream: RequestStream, n: int = 1) -> list[R
             totals[out.index].add(out)
             last = out
         for total in totals:  # every choice reports the request's final counts
-            total.num_prompt_tokens, total.num_output_tokens = last.num_prompt_tokens, last.num_output_tokens
-            total.num_cached_tokens = last.num_cached_tokens
+            total.take_counts(last)
         return totals
 
     work = asyncio.create_task(fold())

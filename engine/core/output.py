@@ -26,15 +26,30 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first output, when asked
     error: Exception | None = None  # why the request failed (finish_reason "error"): raised to its client
+    # speculative decoding, summed over its choices: drafts checked, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def usage(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_output_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
+        if self.num_draft_tokens:  # OpenAI's names for a prediction's tokens (its Predicted Outputs)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.num_accepted_tokens,
+                "rejected_prediction_tokens": self.num_draft_tokens - self.num_accepted_tokens,
+            }
+        return usage
+
+    def take_counts(self, later: RequestOutput) -> None:
+        """The request's counts as `later` (a newer output of it) states them."""
+        self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        self.num_draft_tokens, self.num_accepted_tokens = later.num_draft_tokens, later.num_accepted_tokens
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later output of the same request into this one: the tokens and text so far, the latest counts."""
@@ -46,8 +61,7 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         self.new_text += later.new_text
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
-        self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
-        self.num_cached_tokens = later.num_cached_tokens
+        self.take_counts(later)
 
     @classmethod
     def empty(cls, request_id: str, index: int = 0) -> RequestOutput:

@@ -180,4 +180,6 @@ class OutputProcessor:
             index=seq.index,
             logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :] if wants else None,
             prompt_logprobs=seq.prompt_logprobs if seq.prompt_logprobs and seq.num_output_tokens == 1 else None,
+            num_draft_tokens=sum(s.num_draft_tokens for s in state.choices),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in state.choices),
         )

@@ -61,6 +61,10 @@ FIELDS = (
     "overrun_tokens",  # completion tokens beyond the output reserved (max_tokens): made, billed, not admitted
     # upstream | engine_abort | estimate_text | reservation_bound (gateway/request/settle.py); null: no hop
     "usage_source",
+    # speculative decoding on the serving engine (its usage's completion_tokens_details): drafts it checked, and the
+    # share of them it kept; null where it reported none
+    "draft_tokens",
+    "draft_acceptance",
     "seq",
 )
 

@@ -94,6 +94,9 @@ class RequestRecord:
     ttft_s: float | None = None
     usage_source: str | None = None  # how the billed usage was obtained (gateway/request/settle.py): for the event
     finish_reason: str | None = None
+    # speculative decoding, as the upstream's usage reported it (completion_tokens_details): drafts checked, accepted
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

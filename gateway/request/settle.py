@@ -252,6 +252,8 @@ class Settler:
             ctx.usage_source = ctx.usage_source or "upstream"
             details = usage.get("prompt_tokens_details") or {}
             cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
+            if (drafts := usage.get("completion_tokens_details")) and isinstance(drafts, dict):
+                _note_drafts(ctx, drafts)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
         if ctx.hop is None or ctx.dispatched_at is None:  # no hop served it: only what failed hops' engines made
             ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
@@ -333,6 +335,9 @@ class Settler:
             "user": ctx.user,
             "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
         }
+        if ctx.draft_tokens and ctx.accepted_draft_tokens is not None:
+            event["draft_tokens"] = ctx.draft_tokens
+            event["draft_acceptance"] = round(ctx.accepted_draft_tokens / ctx.draft_tokens, 4)
         m = self.metrics
         # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
         model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
@@ -367,3 +372,10 @@ class Settler:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _note_drafts(ctx: RequestContext, details: dict) -> None:
+    """The upstream's speculative decoding for this request, from OpenAI's prediction-token counts, if well formed."""
+    accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
+    if type(accepted) is int and type(rejected) is int and accepted >= 0 and rejected >= 0:
+        ctx.draft_tokens, ctx.accepted_draft_tokens = accepted + rejected, accepted

@@ -1,9 +1,11 @@
 """Speculative decoding behind the engine's HTTP API, on a tiny random Llama (prompt lookup proposes drafts from the
 repeated prompt; this seed's model accepts a few and refuses most, so both paths run; acceptance on the real model is
 tests/contract/engine/test_speculative.py's): the same tokens as without it, a stream carrying several tokens a step,
-vLLM's spec_decode counters on /metrics, and a request's `"speculative": false` keeps it out."""
+vLLM's spec_decode counters on /metrics, each request's drafts in its usage (OpenAI's accepted_prediction_tokens and
+rejected_prediction_tokens), and a request's `"speculative": false` keeps it out."""
 
 import pytest
+from openai.types import CompletionUsage
 
 from tests.app.engine.test_server import greedy_reference, make_engine, serve
 from tests.support.tiny_llama import make_tiny_llama
@@ -30,8 +32,16 @@ async def test_speculation_keeps_the_tokens_counts_its_drafts_and_can_be_refused
         accepted = metrics["tokenweir:spec_decode_num_accepted_tokens_total"]
         assert metrics["tokenweir:spec_decode_num_drafts_total"] > 0 and 0 < accepted < drafted
         assert metrics["tokenweir:generation_tokens_total"] == 48
+        # the request's own drafts, under OpenAI's names (its Predicted Outputs' usage), as the SDK reads them
+        details = CompletionUsage.model_validate(r.json()["usage"]).completion_tokens_details
+        assert details is not None
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+            accepted,
+            drafted - accepted,
+        )
         r = await served.post("/v1/completions", {**body, "speculative": False})
         assert r.json()["choices"][0]["token_ids"] == expected
+        assert "completion_tokens_details" not in r.json()["usage"]  # no drafts, no details
         after = await served.metrics()
         assert after["tokenweir:spec_decode_num_draft_tokens_total"] == drafted  # not one draft for it
         assert after["tokenweir:generation_tokens_total"] == 96
@@ -56,4 +66,5 @@ async def test_a_stream_with_speculation_carries_every_token_once(model_dir):
         logprobs = [t for e in chunks if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
         assert len(logprobs) == 40
         assert any(len(e["choices"][0].get("token_ids") or []) > 1 for e in chunks), "a step with accepted drafts"
-        assert events[-2]["usage"]["completion_tokens"] == 40
+        usage = events[-2]["usage"]
+        assert usage["completion_tokens"] == 40 and usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0

@@ -244,6 +244,7 @@ def test_dashboard_and_grafana_provisioning():
         "budget",
         "circuit",
         "fallbacks",
+        "acceptance",
     ):
         assert word in titles, word
     ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
