@@ -71,15 +71,20 @@ def test_a_gguf_engine_multiplies_by_the_files_blocks_and_serves_requests(gguf_l
 
 
 @pytest.mark.slow
-def test_gguf_answers_the_capital_of_france_as_llama_cpp_does(gguf_llm):
+def test_gguf_answers_the_capital_of_france_as_llama_cpp_or_float32_does_on_a_near_tie(gguf_llm):
     # float32 on the same weights answers "The capital of France is Paris.", but its first token beats "L" by 0.08
-    # logits only: rounding the activations to 8 bits flips it. llama-server (llama.cpp 0.3.36, same GGUF, greedy)
-    # answers "L'Étoile, la Marseillaise, la femme au roi, la femme au ro", as w8a8 and this mode do: the numerics
-    # are llama.cpp's, this answer included (its prompt prefilled in 16-token chunks or in one: the same answer).
+    # logits only, and rounding the activations to 8 bits moves that. llama-server (llama.cpp 0.3.36, same GGUF,
+    # greedy, an AVX2 machine) answers "L'Étoile, la Marseillaise, la femme au roi, la femme au ro", as this mode did
+    # there; on an AVX-512 + VNNI + bf16 machine (float32 prefill pinned all the same) "The" leads by 0.03.
+    # So: the two first tokens are within a tie's width, and the answer is the one its winner starts.
     llm = gguf_llm
     prompt = llm.engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
-    assert out.new_text.startswith("L'Étoile, la Marseillaise")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0]
+    decode = llm.engine.tokenizer.decode
+    (first, first_logprob), (second, second_logprob) = out.logprobs[0].top
+    assert {decode([first]), decode([second])} == {"The", "L"} and first_logprob - second_logprob < 0.15
+    answers = {"L": "L'Étoile, la Marseillaise", "The": "The capital of France is Paris."}
+    assert out.new_text.startswith(answers[decode([first])])
 
 
 @pytest.mark.slow
