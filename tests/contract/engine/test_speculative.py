@@ -275,9 +275,9 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
 
 
-@pytest.mark.parametrize("method", ["spec", "spec_draft"])
-def test_sampling_at_temperature_one_keeps_the_models_distribution(plain, method, request):
-    spec = request.getfixturevalue(method)
+def test_sampling_at_temperature_one_keeps_the_models_distribution(plain, spec):
+    # the verification is the proposers' common path: any deterministic drafts are accepted with p(draft) and
+    # refused into p without them, so one proposer's drafts stand for all (a draft model's are greedy, deterministic)
     prompt = "List: red, green, blue, red, green, blue, red, green, blue, red,"
     samples = 600
 
