@@ -12,10 +12,11 @@ Lever (off / on, server flags): workload it is for; workload it is not for.
 - structured outputs (no response_format / json_schema): extraction prompts asking for JSON; open chat as json_object.
 
 Indicators per run (client side, streamed): TTFT p50/p95, TPOT p50/p95 (per request: (last chunk - first chunk) /
-(completion tokens - 1)), output tok/s over the run, the engine's mean queue time and prefix-cache hit ratio and
-draft acceptance (from its /metrics, before and after), and the invalid-JSON rate (extraction: the answer must parse
-and validate against the schema). The table prints off, on, and on/off for each; the plot shows each lever's headline
-indicator. Every row is one run: on a shared machine, compare rows of the same invocation only.
+(completion tokens - 1)), ITL p99 (the gaps between a stream's chunks: a decode stalled behind a prefill shows here,
+where a per-request TPOT averages it away), output tok/s over the run, the engine's mean queue time, prefix-cache hit
+ratio and draft acceptance (from its /metrics, before and after), and the invalid-JSON rate (extraction: the answer
+must parse and validate against the schema). The table prints off, on, and on/off for each; the plot shows each
+lever's headline indicator. Every row is one run: on a shared machine, compare rows of the same invocation only.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Result:
     tpot: float | None
     tokens: int
     valid: bool | None
+    gaps: list[float]  # seconds between successive chunks carrying text (inter-token latency; a stall shows here)
 
 
 @dataclass
@@ -165,7 +167,8 @@ async def send(client: httpx.AsyncClient, url: str, request: Request) -> Result:
     start = time.perf_counter()
     first = last = None
     tokens = 0
-    text = []
+    text: list[str] = []
+    gaps: list[float] = []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -175,7 +178,10 @@ async def send(client: httpx.AsyncClient, url: str, request: Request) -> Result:
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and (piece := chunk["choices"][0].get("delta", {}).get("content")):
-                last = time.perf_counter()
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
                 first = first or last
                 text.append(piece)
     first = first or time.perf_counter()
@@ -187,7 +193,7 @@ async def send(client: httpx.AsyncClient, url: str, request: Request) -> Result:
             valid = True
         except (ValueError, jsonschema.ValidationError):
             valid = False
-    return Result(request.kind, first - start, tpot, tokens, valid)
+    return Result(request.kind, first - start, tpot, tokens, valid, gaps)
 
 
 async def run_workload(url: str, workload: Workload) -> tuple[list[Result], float]:
@@ -227,6 +233,7 @@ def indicators(results: list[Result], wall: float, before: dict, after: dict, me
     picked = [r for r in results if measure is None or r.kind == measure]
     ttfts = sorted(r.ttft * 1000 for r in picked)
     tpots = sorted(r.tpot * 1000 for r in picked if r.tpot is not None)
+    itls = sorted(g * 1000 for r in picked for g in r.gaps)
     delta = {k: after[k] - before[k] for k in after}
     checked = [r.valid for r in picked if r.valid is not None]
 
@@ -238,6 +245,7 @@ def indicators(results: list[Result], wall: float, before: dict, after: dict, me
         "ttft_p95": pct(ttfts, 0.95),
         "tpot_p50": statistics.median(tpots) if tpots else None,
         "tpot_p95": pct(tpots, 0.95),
+        "itl_p99": pct(itls, 0.99),
         "tok_s": sum(r.tokens for r in results) / wall,
         "queue_ms": 1000 * delta["queue_sum"] / delta["queue_count"] if delta["queue_count"] else None,
         "hit": delta["hits"] / delta["queries"] if delta["queries"] else None,
@@ -278,7 +286,7 @@ def levers(seed: int) -> list[Lever]:
             ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--max-model-len", "4096"],
             ["--max-num-batched-tokens", "256", "--max-model-len", "4096"],
             chunked_workloads(rng),
-            ("tpot_p95", "chats' TPOT p95 ms"),
+            ("itl_p99", "chats' ITL p99 ms"),
         ),
         Lever("speculative", [], ["--speculative-config", SPEC], speculative_workloads(), ("tpot_p50", "TPOT p50 ms")),
         Lever("structured", [], [], [], ("invalid", "invalid JSON rate")),
@@ -298,6 +306,7 @@ COLUMNS = [
     ("ttft_p95", "TTFT p95"),
     ("tpot_p50", "TPOT p50"),
     ("tpot_p95", "TPOT p95"),
+    ("itl_p99", "ITL p99"),
     ("tok_s", "tok/s"),
     ("queue_ms", "queue ms"),
     ("hit", "cache hit"),
