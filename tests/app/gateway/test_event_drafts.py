@@ -5,18 +5,17 @@ completion_tokens_details, streamed or not; a request that drafted nothing leave
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
+from tests.support.events import the_event
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig, SpeculativeConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
@@ -47,16 +46,6 @@ def stack(tmp_path_factory):
     store.close()
 
 
-def event_of(stack, request_id: str) -> dict:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        found = [e for e in read_events(str(stack["events"])) if e["request_id"] == request_id]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no event for {request_id}")
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_event_carries_the_drafts_and_their_acceptance(stack, stream):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -71,7 +60,7 @@ def test_the_event_carries_the_drafts_and_their_acceptance(stack, stream):
         details = r.json()["usage"]["completion_tokens_details"]
     accepted, rejected = details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]
     assert accepted > 0 and rejected > 0
-    event = event_of(stack, r.headers["x-request-id"])
+    event = the_event(stack["events"], r.headers["x-request-id"])
     assert event["draft_tokens"] == accepted + rejected
     assert event["draft_acceptance"] == round(accepted / (accepted + rejected), 4)
     assert event["completion_tokens"] == 40
@@ -81,5 +70,5 @@ def test_a_request_without_drafts_leaves_the_fields_null(stack):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "speculative": False}
     r = httpx.post(stack["url"] + "/v1/completions", json=body, headers=stack["auth"], timeout=60)
     assert r.status_code == 200, r.text
-    event = event_of(stack, r.headers["x-request-id"])
+    event = the_event(stack["events"], r.headers["x-request-id"])
     assert event["draft_tokens"] is None and event["draft_acceptance"] is None

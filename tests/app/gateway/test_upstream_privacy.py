@@ -4,14 +4,12 @@ admin key sees the instances, their addresses and loads."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream, free_port
+from tests.support.events import the_event
 from tests.support.serve_thread import ServerThread, serve_app
-from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
@@ -57,16 +55,6 @@ def assert_no_address(text: str, *ports: int) -> None:
         assert mark not in text, f"{mark!r} leaked: {text}"
 
 
-def event_of(stack, request_id: str) -> dict:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        found = [e for e in read_events(stack["events"]) if e["request_id"] == request_id]
-        if found:
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no event for {request_id}")
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tenants_503_names_pool_and_instance_but_no_address(stack, stream):
     body = {"model": "dead", "prompt": PROMPT, "max_tokens": 1, "stream": stream}
@@ -76,7 +64,7 @@ def test_a_tenants_503_names_pool_and_instance_but_no_address(stack, stream):
     assert err["code"] == "upstream_unavailable" and "dead@dead-0" in err["message"], err
     assert "connection failed" in err["message"]
     assert_no_address(r.text, stack["dead_port"])
-    event = event_of(stack, r.headers["x-request-id"])
+    event = the_event(stack["events"], r.headers["x-request-id"])
     assert event["route"] == ["dead@dead-0"] and event["reason"] == "upstream_unavailable"
     # the operator's record keeps the whole story: the address and the socket error
     assert f"127.0.0.1:{stack['dead_port']}" in event["upstream_error"], event
@@ -88,7 +76,7 @@ def test_an_upstream_5xx_reaches_the_tenant_as_pool_instance_and_status_only(sta
     r = httpx.post(stack["url"] + "/v1/completions", json=body, headers=stack["tenant"], timeout=10)
     assert r.status_code == 503 and "sick@sick-0: HTTP 503" in r.json()["error"]["message"], r.text
     assert_no_address(r.text, int(stack["sick_url"].rsplit(":", 1)[1]))
-    assert stack["sick_url"] in event_of(stack, r.headers["x-request-id"])["upstream_error"]
+    assert stack["sick_url"] in the_event(stack["events"], r.headers["x-request-id"])["upstream_error"]
 
 
 def test_anonymous_health_says_up_or_down_per_pool_without_instances(stack):

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream, embedding_vector
+from tests.support.events import the_event
 from tests.support.serve_thread import ServerThread, serve_app
-from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import stream_chunks
@@ -64,16 +64,6 @@ def team_client(stack, limits: TeamLimits = TeamLimits()):
     return team, openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key=secret, max_retries=0)
 
 
-def event_of(stack, request_id: str, timeout: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [e for e in read_events(stack["events"]) if e["request_id"] == request_id]
-        if found or time.monotonic() > deadline:
-            assert len(found) == 1, f"expected one event for {request_id}, got {found}"
-            return found[0]
-        time.sleep(0.02)
-
-
 def received(stack, path: str) -> dict:
     """The last body the upstream received on `path`."""
     return next(body for p, body in reversed(stack["fake"].received) if p == path)
@@ -99,7 +89,7 @@ async def test_n_choices_pass_through_to_an_external_pool_and_reserve_n_times_ma
     # the reservation, as the tpm headers show it: the prompt once, 3 x 5 output tokens
     reserved = estimate_chat(HELLO) + 3 * 5
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) == 100_000 - reserved
-    event = event_of(stack, raw.headers["x-request-id"])
+    event = the_event(stack["events"], raw.headers["x-request-id"])
     assert (event["prompt_tokens"], event["completion_tokens"], event["max_tokens"]) == (6, 15, 15)
     assert event["team"] == team.id and event["status"] == "ok"
 
@@ -139,7 +129,7 @@ async def test_a_stream_of_n_choices_bills_every_choice(stack, model):
             by_choice[c.index] = by_choice.get(c.index, "") + (c.delta.content or "")
     assert by_choice == {0: "tok " * 4, 1: "tok " * 4, 2: "tok " * 4}
     assert chunks[-1].usage.completion_tokens == 12
-    event = event_of(stack, raw.headers["x-request-id"])
+    event = the_event(stack["events"], raw.headers["x-request-id"])
     assert (event["completion_tokens"], event["max_tokens"]) == (12, 12)
 
 
@@ -151,7 +141,7 @@ async def test_a_stream_of_n_choices_without_usage_counts_every_choices_text(sta
     )
     chunks = [c async for c in raw.parse()]
     assert sum(len(c.choices) for c in chunks) == 12 and all(c.usage is None for c in chunks)
-    event = event_of(stack, raw.headers["x-request-id"])
+    event = the_event(stack["events"], raw.headers["x-request-id"])
     assert event["completion_tokens"] == TokenCounter(None).count_text("tok " * 12) == 12
     assert event["prompt_tokens"] == estimate_chat(HELLO)  # no usage: the prompt as counted at admission
 
@@ -162,7 +152,7 @@ async def test_n_choices_without_usage_bill_the_text_of_every_choice(stack):
         model=EXTERNAL, messages=HELLO, n=3, max_tokens=5, extra_body={"fake": {"usage": False}}
     )
     assert raw.parse().usage is None and len(raw.parse().choices) == 3
-    event = event_of(stack, raw.headers["x-request-id"])
+    event = the_event(stack["events"], raw.headers["x-request-id"])
     assert (event["prompt_tokens"], event["completion_tokens"]) == (estimate_chat(HELLO), 15)
 
 
@@ -251,7 +241,7 @@ async def test_embeddings_are_counted_reserved_and_billed_from_the_upstreams_usa
     assert resp.usage.prompt_tokens == 7  # the fake's rule: one token per word
     counted = TokenCounter(None).count_prompt(inputs)  # reserved: the input as the pool's counter sees it, no output
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) == 10_000 - counted
-    event = event_of(stack, raw.headers["x-request-id"])
+    event = the_event(stack["events"], raw.headers["x-request-id"])
     assert (event["prompt_tokens"], event["completion_tokens"], event["max_tokens"]) == (7, 0, 0)
     assert event["team"] == team.id and event["status"] == "ok" and event["stream"] is False
     assert event.get("kind", "embeddings") == "embeddings"
@@ -284,7 +274,7 @@ async def test_a_pool_without_embeddings_answers_400_naming_the_model(stack, mod
     assert (exc.value.code, exc.value.param) == ("model_not_supported", "model")
     assert f"'{model}'" in exc.value.message and "embeddings" in exc.value.message
     assert stack["fake"].requests_seen == seen
-    event = event_of(stack, exc.value.response.headers["x-request-id"])
+    event = the_event(stack["events"], exc.value.response.headers["x-request-id"])
     assert event["status"] == "rejected" and event["reason"] == "model_not_supported"
 
 
