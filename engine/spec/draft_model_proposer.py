@@ -73,9 +73,9 @@ class DraftModelProposer:
         """Drafts for each (sequence, most drafts it may take)."""
         self.release_finished()
         drafts: list[list[int]] = [[] for _ in requests]
-        wanted: dict[Sequence, int] = {}  # shadow -> how many drafts
+        wanted: dict[Sequence, tuple[list[int], int]] = {}  # shadow -> (its sequence's drafts, how many)
         first = SchedulerOutput()
-        for seq, max_drafts in requests:
+        for (seq, max_drafts), proposal in zip(requests, drafts, strict=True):
             k = min(self.config.num_speculative_tokens, max_drafts, self.max_len - seq.num_tokens)
             if k <= 0 or not self.gate.is_open(seq):
                 continue
@@ -85,12 +85,11 @@ class DraftModelProposer:
             if not self.block_manager.allocate_slots(shadow, new, num_lookahead_tokens=k - 1):
                 self._drop(seq)
                 continue
-            wanted[shadow] = k
+            wanted[shadow] = (proposal, k)
             if new == 1:
                 first.decodes.append(shadow)
             else:
                 first.prefills.append((shadow, new))
-        by_shadow = {self.shadows[seq]: i for i, (seq, _) in enumerate(requests) if seq in self.shadows}
         batch = first
         while not batch.is_empty:
             sampled, _, _ = self.runner.run(batch)
@@ -99,9 +98,9 @@ class DraftModelProposer:
                 token_id = sampled[shadow.request_id][0]
                 shadow.num_computed_tokens += num_tokens
                 shadow.append_token(token_id)
-                proposal = drafts[by_shadow[shadow]]
+                proposal, k = wanted[shadow]
                 proposal.append(token_id)
-                if len(proposal) < wanted[shadow] and token_id not in self.stop_token_ids:
+                if len(proposal) < k and token_id not in self.stop_token_ids:
                     following.decodes.append(shadow)
             batch = following
         return drafts

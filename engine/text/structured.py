@@ -45,10 +45,10 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
 import numpy as np
@@ -60,6 +60,7 @@ from tokenweir.engine.text.response_format import close_objects, parse_response_
 if TYPE_CHECKING:  # declared only in llguidance's stub
     from llguidance._lib import JsonCompileOptions
 
+T = TypeVar("T")
 # Compact JSON: no whitespace outside strings, no spaces after separators.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _MAX_ERROR_CHARS = 400
@@ -265,10 +266,8 @@ class StructuredOutputs:
 
         Call after the last accept() of the step; call .result() before the next accept() on these matchers.
         """
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structured-masks")
         matchers = list(matchers)  # the caller may reuse its list while the worker reads this one
-        return self._worker.submit(self.fill_masks, matchers, out)
+        return self._submit(self.fill_masks, matchers, out)
 
     def fill_draft_masks(self, matcher: Matcher, drafts: Sequence[int]) -> torch.Tensor:
         """Masks for checking a sequence's drafts (speculative decoding): row j is the grammar's mask after the
@@ -293,10 +292,13 @@ class StructuredOutputs:
     def draft_masks_async(self, pending: Sequence[tuple[Matcher, list[int]]]) -> Future[list[torch.Tensor]]:
         """fill_draft_masks for each (matcher, drafts) on the worker thread, overlapping the forward; call .result()
         before the next accept() on these matchers."""
+        pending = [(m, list(d)) for m, d in pending]
+        return self._submit(lambda: [self.fill_draft_masks(m, d) for m, d in pending])
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structured-masks")
-        pending = [(m, list(d)) for m, d in pending]
-        return self._worker.submit(lambda: [self.fill_draft_masks(m, d) for m, d in pending])
+        return self._worker.submit(fn, *args)
 
     def apply_masks(
         self,
