@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
@@ -41,7 +42,8 @@ static inline void rows_dot(const float* x, int64_t K, const int8_t* w, const fl
       for (int r = 0; r < MT; ++r) acc[0][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[0][r]);
     }
     for (; k < g0 + G; ++k)  // a group that is not a multiple of 8 wide (a whole odd-sized row)
-      for (int r = 0; r < MT; ++r) tail[r] += x[r * K + k] * static_cast<float>(w[k]) * scale[group];
+      for (int r = 0; r < MT; ++r)  // explicit fma: contraction must not depend on MT
+        tail[r] = std::fma(x[r * K + k] * static_cast<float>(w[k]), scale[group], tail[r]);
   }
   for (int r = 0; r < MT; ++r) {
     for (int u = 1; u < U; ++u) acc[0][r] = _mm256_add_ps(acc[0][r], acc[u][r]);

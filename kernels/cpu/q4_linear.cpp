@@ -167,7 +167,7 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
           P == 2 ? _mm256_maddubs_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + K))) : s16;
       const __m256 dot = _mm256_cvtepi32_ps(block_dots<P>(s16, t16));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * xd[r * B + b]), acc[r]);
-      tail[r] += m * xs[r * B + b];
+      tail[r] = std::fma(m, xs[r * B + b], tail[r]);  // explicit: contraction must not depend on MT
     }
   }
   for (int r = 0; r < MT; ++r) y[r * N] = hsum(_mm256_add_ps(acc[r], macc[r])) + tail[r];
