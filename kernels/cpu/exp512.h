@@ -1,5 +1,5 @@
-// e^x on AVX-512 vectors, for the kernels' softmax (paged_prefill.cpp) and SiLU (fused.cpp). Included inside each
-// file's AVX-512 section.
+// e^x on AVX-512 vectors, for the kernels' softmax (paged_prefill.cpp, paged_decode.cpp) and SiLU (fused.cpp).
+// Included inside each file's AVX-512 section.
 #pragma once
 #include <immintrin.h>
 

@@ -11,9 +11,65 @@
 #include <numeric>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include "exp512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "exp256.h"
+#endif
+
 namespace {
 
 constexpr float kNoScore = -std::numeric_limits<float>::infinity();
+
+// s[i] = e^(s[i] - max) in place, with the max and the sum: e^x one vector at a time (a scalar std::exp per score was
+// most of a decode row's attention time). Every row takes this one path, alone or batched.
+inline void softmax_unnormalized(float* s, int64_t L, float& mx, float& sum) {
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(kNoScore);
+  for (int64_t i = 0; i < L; i += 16) {
+    const __mmask16 live = L - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - i)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_maskz_loadu_ps(live, s + i));
+  }
+  const float m = _mm512_reduce_max_ps(vmax);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < L; i += 16) {
+    const __mmask16 live = L - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + i), _mm512_set1_ps(m))));
+    _mm512_mask_storeu_ps(s + i, live, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  mx = m;
+  sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int64_t full = L / 8 * 8;
+  __m256 vmax = _mm256_set1_ps(kNoScore);
+  for (int64_t i = 0; i < full; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (int64_t i = full; i < L; ++i) m = std::max(m, s[i]);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 e = exp_nonpositive256(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  _mm256_storeu_ps(lanes, vsum);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  for (int64_t i = full; i < L; ++i) total += (s[i] = std::exp(s[i] - m));
+  mx = m;
+  sum = total;
+#else
+  const float m = *std::max_element(s, s + L);
+  float total = 0.f;
+  for (int64_t i = 0; i < L; ++i) total += (s[i] = std::exp(s[i] - m));
+  mx = m;
+  sum = total;
+#endif
+}
+
 
 struct Shape {
   int64_t Hkv, G, S, nb, q_stride_b, q_stride_h;
@@ -42,14 +98,7 @@ void attend(const float* qrow, const float* kp, const float* vp, const int32_t* 
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * L;
-    const float m = *std::max_element(sg, sg + L);
-    float total = 0.f;
-    for (int64_t i = 0; i < L; ++i) total += (sg[i] = std::exp(sg[i] - m));
-    mx[g] = m;
-    sum[g] = total;
-  }
+  for (int64_t g = 0; g < G; ++g) softmax_unnormalized(scores.data() + g * L, L, mx[g], sum[g]);
   std::fill(out, out + G * D, 0.f);
   for (int64_t t = t_begin; t < t_end;) {
     const int64_t block = std::max<int32_t>(table[t / S], 0), stop = std::min(t_end, (t / S + 1) * S);
