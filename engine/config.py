@@ -45,7 +45,9 @@ class SpeculativeConfig:
     outputs of finished requests (`cache_capacity` n-grams, least recently seen forgotten first). Drafting stops
     for the whole batch above `disable_by_batch_size` running sequences (a big batch is already compute-bound) and for
     a sequence whose drafts keep failing (its acceptance below `min_acceptance` over its last `acceptance_window`
-    proposed tokens; it tries again `retry_after` tokens later).
+    proposed tokens; it tries again `retry_after` tokens later). With `cost_aware` (the default) each step keeps only
+    the drafts whose expected accepted tokens pay for their verification rows at the step cost measured on this
+    device (engine/spec/draft_budget.py); false checks every draft (to measure the lever's raw effect).
 
     Method "draft_model" (vLLM infers it from a `model` key): a smaller model with the target's tokenizer, at `model`
     (a .gguf file or a HF directory), proposes the drafts greedily from a KV cache of its own (as many blocks as the
@@ -62,6 +64,7 @@ class SpeculativeConfig:
     acceptance_window: int = 32
     retry_after: int = 64
     cache_capacity: int = 200_000
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         methods = ("ngram", "ngram_cache", "draft_model")
@@ -98,7 +101,11 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         source = f"model={self.model}" if self.model else f"n={self.prompt_lookup_min}..{self.prompt_lookup_max}"
-        return f"{self.method} k={self.num_speculative_tokens} {source} off above {self.disable_by_batch_size} running"
+        budget = "drafts kept where they pay" if self.cost_aware else "every draft checked"
+        return (
+            f"{self.method} k={self.num_speculative_tokens} {source} off above {self.disable_by_batch_size} running, "
+            f"{budget}"
+        )
 
 
 @dataclass

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (also "disable_by_batch_size", "min_acceptance", '
-        '"acceptance_window", "retry_after"); "method": "ngram_cache" adds an n-gram cache learned across requests; '
+        '"acceptance_window", "retry_after", and "cost_aware": false to check every draft, paying or not); '
+        '"method": "ngram_cache" adds an n-gram cache learned across requests; '
         '\'{"model": "draft.gguf", "num_speculative_tokens": 4}\' drafts with a smaller model sharing the '
         "tokenizer (method draft_model); default: off",
     )

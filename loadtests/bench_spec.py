@@ -8,7 +8,9 @@ extraction, quoting, fixing a text: the answer repeats the prompt), and `open`, 
 explanations). Per request: decode tok/s = (completion tokens - 1) / (last chunk - first chunk) of its stream; per
 row and workload the median over the requests, and the drafts' acceptance (ours from /metrics, llama-server's from
 its final `timings`). Rows: our engine (`auto`) without and with `--speculative-config` ngram, llama-server without
-and with `--spec-type ngram-simple` (built once, see loadtests/llama_server.py), the same GGUF, the same threads.
+and with `--spec-type ngram-simple` (built once, see loadtests/llama_server.py), the same GGUF, the same threads;
+and ours checking every draft (`"cost_aware": false`), the lever without the draft budget that keeps only the
+drafts that pay for their rows on this device (engine/spec/draft_budget.py).
 The table gives each row's speed and its ratio to our plain decoding on the same workload; the targets: copying
 >= 1.5x and >= llama-server's speculative speed, open >= 1.0x (the switch keeps a lever that does not pay off).
 """
@@ -31,6 +33,7 @@ from loadtests import llama_server  # noqa: E402
 from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
 OURS_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+OURS_SPEC_EVERY_DRAFT = OURS_SPEC[:-1] + ', "cost_aware": false}'  # the raw lever: no draft budget
 LLAMA_SPEC = ["--spec-type", "ngram-simple", "--draft-max", "4"]
 
 CODE = """def summarize(orders):
@@ -208,6 +211,7 @@ def main() -> None:
     rows: list[tuple[str, dict]] = [
         ("ours, plain", measure_ours(path, args.threads, None, args.max_tokens)),
         ("ours, ngram k=4", measure_ours(path, args.threads, OURS_SPEC, args.max_tokens)),
+        ("ours, ngram k=4, every draft", measure_ours(path, args.threads, OURS_SPEC_EVERY_DRAFT, args.max_tokens)),
     ]
     if not args.skip_llama:
         for name, extra in (("llama-server, plain", []), ("llama-server, ngram-simple", LLAMA_SPEC)):

@@ -26,6 +26,7 @@ from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.scheduler import Scheduler, SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence
 from tokenweir.engine.sched.stats import SchedulerStats, SpecDecodingStats, StepStats
+from tokenweir.engine.spec.draft_budget import DraftBudget
 from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
 from tokenweir.engine.spec.ngram_proposer import NgramProposer
 from tokenweir.engine.worker.model_runner import ModelRunner
@@ -76,6 +77,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(config.speculative, config, vocab_size, self.stop_token_ids)
         elif config.speculative is not None:
             self.proposer = NgramProposer(config.speculative)
+        self.draft_budget = DraftBudget() if config.speculative is not None and config.speculative.cost_aware else None
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.sampler)
         self._structured = None  # engine.text.structured.StructuredOutputs, made on the first request that needs it
         self.last_stats = StepStats()
@@ -183,6 +185,8 @@ class LLMEngine:
             self.last_stats = StepStats()
             return []
         sampled_token_ids, logprobs, failed = self.runner.run(batch)
+        if self.draft_budget is not None and not batch.prefills:
+            self.draft_budget.observe_step(batch.num_tokens, time.monotonic() - start)
         spec = self._record_drafts(batch, sampled_token_ids)
         stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
         outputs = []
@@ -224,15 +228,24 @@ class LLMEngine:
         if limit is not None and len(running) > limit:
             return
         requests: list[tuple[Sequence, int]] = []
+        decoding = 0
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or not _may_speculate(seq):
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            decoding += 1
+            if not _may_speculate(seq):
                 continue
             params = seq.params
             assert params.max_tokens is not None
             # never a draft past max_tokens or the context: the tokens a step emits are its drafts and one more
             room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             requests.append((seq, room))
-        for (seq, _), drafts in zip(requests, self.proposer.propose_batch(requests), strict=True):
+        proposed = self.proposer.propose_batch(requests)
+        proposals = [(seq, drafts) for (seq, _), drafts in zip(requests, proposed, strict=True)]
+        kept = [drafts for _, drafts in proposals]
+        if self.draft_budget is not None:
+            kept = self.draft_budget.trim(proposals, decoding)
+        for (seq, _), drafts in zip(proposals, kept, strict=True):
             seq.draft_token_ids = drafts
 
     def _record_drafts(self, batch: SchedulerOutput, sampled: dict[str, list[int]]) -> SpecDecodingStats | None:
@@ -248,6 +261,8 @@ class LLMEngine:
                 seq.num_draft_tokens += len(drafts)
                 seq.num_accepted_tokens += accepted
                 self.proposer.record(seq, len(drafts), accepted)
+                if self.draft_budget is not None:
+                    self.draft_budget.record(seq, len(drafts), accepted)
         return stats
 
 

@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory) -> str:
 
 async def test_speculation_keeps_the_tokens_counts_its_drafts_and_can_be_refused_per_request(model_dir):
     expected = greedy_reference(model_dir, PROMPT, 48)
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, cost_aware=False)
     async with serve(make_engine(model_dir, speculative=spec)) as served:
         body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         r = await served.post("/v1/completions", body)
@@ -53,7 +53,7 @@ async def test_a_stream_with_speculation_carries_every_token_once(model_dir):
     from tests.app.engine.test_server import sse_events
 
     expected = greedy_reference(model_dir, PROMPT, 40)
-    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2, cost_aware=False)
     async with serve(make_engine(model_dir, speculative=spec)) as served:
         body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
         body |= {"return_token_ids": True, "logprobs": 2, "stream_options": {"include_usage": True}}

@@ -27,7 +27,7 @@ PROMPT = [5, 17, 42, 5, 17, 42, 5, 17]
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("event-drafts")
     model = make_tiny_llama(str(tmp / "tiny"), seed=4, max_position_embeddings=512)
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, cost_aware=False)
     engine = LLMEngine(
         EngineConfig(model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", speculative=spec)
     )

@@ -21,7 +21,9 @@ from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
 
 pytestmark = pytest.mark.slow
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
+SPEC = SpeculativeConfig(
+    num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None, cost_aware=False
+)
 ENGINE = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "num_kv_blocks": 400, "enable_prefix_caching": True}
 
 

@@ -1,0 +1,111 @@
+"""How many of its drafts each sequence checks this step: only those whose expected tokens pay for their rows.
+
+A verification row is not free on every device: on a 2-core CPU each extra row of a decode step cost about half of a
+one-row step (the integer GEMMs and the attention are compute-bound per row there), while on a GPU a few extra rows
+cost next to nothing. So the budget measures it: decode steps' seconds are fitted as a line in their rows,
+t(rows) = fixed + per_row * rows, over recent steps. A draft at position j of a sequence whose drafts are accepted
+with probability `alpha` each (given the previous one was) yields alpha ** j expected tokens; drafts are kept, best
+first, while a draft's expected tokens per second of its row beat the step's tokens per second so far. A workload
+whose drafts are rarely right (open chat) so decodes as without the lever, one whose drafts are right (copying)
+checks as many as pay.
+
+`alpha` is estimated per sequence from its recent verifications (accepted drafts / (accepted + first refusals)),
+starting from, and drifting back to while it drafts nothing, the engine's pooled estimate over recent sequences
+(which itself drifts back to its start while nothing is checked): a sequence that stopped drafting tries again once
+its record has faded, so a copy that starts late is found. Only the target's rows are counted: a draft model's own
+forwards are spent before the budget is asked.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from tokenweir.engine.sched.sequence import Sequence
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0  # decayed counts of this sequence's recent verifications
+    trials: float = 0.0
+
+
+class DraftBudget:
+    PRIOR_ROW_SHARE = 0.25  # before two row counts are measured, an extra row costs this share of a one-row step
+    STEP_DECAY = 0.98  # weight of a step's timing per later decode step (half-life ~35 steps)
+    SEQ_DECAY = 0.8  # weight of a sequence's verification per later one
+    IDLE_DECAY = 0.95  # ... per step it drafts nothing, back towards the pooled estimate
+    PRIOR_TRIALS = 2.0  # the pooled estimate's weight in a sequence's
+    POOLED_START = 0.6
+    POOLED_RATE = 0.05  # the pooled estimate's step towards each verification's outcome
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # decayed sums of w, w*rows, w*seconds, w*rows^2, w*rows*seconds
+        self.pooled = self.POOLED_START
+        self._sequences: weakref.WeakKeyDictionary[Sequence, _Acceptance] = weakref.WeakKeyDictionary()
+
+    # --- what it learns ---------------------------------------------------------------------------------------------
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step (decode and verification rows only: prefill rows cost otherwise) took `seconds`."""
+        sums = self._sums
+        for i in range(5):
+            sums[i] *= self.STEP_DECAY
+        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            sums[i] += value
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """One verification: `accepted` of `proposed` drafts were kept (the first refused one ends the run)."""
+        record = self._sequences.setdefault(seq, _Acceptance())
+        trials = accepted + (1 if accepted < proposed else 0)
+        record.accepted = record.accepted * self.SEQ_DECAY + accepted
+        record.trials = record.trials * self.SEQ_DECAY + trials
+        self.pooled += self.POOLED_RATE * (accepted / trials - self.pooled)
+
+    def alpha(self, seq: Sequence) -> float:
+        record = self._sequences.get(seq) or _Acceptance()
+        return (record.accepted + self.PRIOR_TRIALS * self.pooled) / (record.trials + self.PRIOR_TRIALS)
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds of a decode step, or None before any step was measured."""
+        w, n, t, nn, nt = self._sums
+        if w == 0:
+            return None
+        mean_n, mean_t = n / w, t / w
+        variance = nn / w - mean_n * mean_n
+        if variance > 0.05:
+            per_row = (nt / w - mean_n * mean_t) / variance
+            return mean_t - per_row * mean_n, max(per_row, 0.0)
+        # every measured step had the same rows: the prior share of a one-row step per extra row
+        one_row = mean_t / (1 + self.PRIOR_ROW_SHARE * (mean_n - 1))
+        return one_row * (1 - self.PRIOR_ROW_SHARE), one_row * self.PRIOR_ROW_SHARE
+
+    # --- the decision -----------------------------------------------------------------------------------------------
+
+    def trim(self, proposals: list[tuple[Sequence, list[int]]], decoding: int) -> list[list[int]]:
+        """Each proposal's drafts cut to those that pay, in a step of `decoding` one-token rows before drafts."""
+        cost = self.step_cost()
+        if cost is None or cost[1] == 0:  # nothing measured yet, or rows are free here: check them all
+            return [drafts for _, drafts in proposals]
+        fixed, per_row = cost
+        candidates = []
+        for i, (seq, drafts) in enumerate(proposals):
+            alpha = self.alpha(seq)
+            candidates += [(alpha**j, j, i) for j in range(1, len(drafts) + 1)]
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        kept = [0] * len(proposals)
+        tokens, seconds = float(decoding), fixed + per_row * decoding
+        for gain, position, i in candidates:
+            if gain * seconds <= tokens * per_row:  # this row's tokens per second would lower the step's
+                break
+            if position == kept[i] + 1:
+                kept[i] = position
+                tokens, seconds = tokens + gain, seconds + per_row
+        for (seq, drafts), count in zip(proposals, kept, strict=True):
+            if count == 0 and drafts:  # held back: it fades towards the pooled estimate, which fades to its start
+                self.pooled += (1 - self.IDLE_DECAY) / len(proposals) * (self.POOLED_START - self.pooled)
+                record = self._sequences.get(seq)
+                if record is not None:
+                    record.accepted *= self.IDLE_DECAY
+                    record.trials *= self.IDLE_DECAY
+        return [drafts[:count] for (_, drafts), count in zip(proposals, kept, strict=True)]
