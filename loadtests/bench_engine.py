@@ -11,6 +11,10 @@ batch 1). Served systems get the same workload over HTTP: 16 seeded requests, pr
 them, one request alone three times for batch-1 decode speed (the median). Each server gets the machine to itself
 (llama-server's spin-waiting threads collapse when anything else runs on the cores). Also prints each weight format's
 memory roofline: the bytes a decode step must read over the bandwidth measured here.
+
+The AVX2 class on a machine that has more: `TOKENWEIR_CPU_ISA=avx2 .venv/bin/python loadtests/bench_engine.py ...`
+runs our engine with its kernels built for AVX2 only and its AVX-512/VNNI/bf16 choices off (kernels/cpu/ops.py), and
+llama-server built for AVX2 only (loadtests/llama_server.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loadtests import llama_server  # noqa: E402
 from tokenweir.common.text.model_files import default_model_path  # noqa: E402
+from tokenweir.engine.model.precision import cpu_flags  # noqa: E402
+from tokenweir.kernels.cpu import ops as cpu_ops  # noqa: E402
 
 CONCURRENCY = 16
 
@@ -226,6 +232,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t and HF's threads")
     ap.add_argument("--engine-threads", type=int, default=0, help="ours; 0 = its serving default (every core)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-f32", action="store_true", help="no float32 row of ours")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--plot", default="", help="also draw the table (PNG path)")
     args = ap.parse_args()
@@ -235,9 +242,12 @@ def main() -> None:
                          (16, 64) if args.quick else (16, 256))  # fmt: skip
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(o for _, o in work)} output "
           f"tokens; threads {args.threads}", flush=True)  # fmt: skip
+    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    print(f"CPU class: {cpu_ops.cpu_isa()} (TOKENWEIR_CPU_ISA, llama-server built to match); flags: {' '.join(simd)}")
     rows: list[tuple[str, dict]] = []
-    f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
-    rows.append(("tokenweir engine (f32)", f32))
+    if not args.skip_f32:
+        f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
+        rows.append(("tokenweir engine (f32)", f32))
     auto, reason = measure_ours(path, "auto", "auto", args.engine_threads, work)
     rows.append(("tokenweir engine (auto)", auto))
     llama = None if args.skip_llama else measure_llama(path, args.threads, work)

@@ -1,11 +1,14 @@
 """llama-server as a peer: built once from the llama.cpp source vendored in the llama-cpp-python sdist, then started
 on a free port with the same GGUF our engine loads.
 
-    .venv/bin/python loadtests/llama_server.py --build     # ~15 min on 2 cores; cached afterwards
+    .venv/bin/python loadtests/llama_server.py --build              # ~15 min on 2 cores; cached afterwards
+    .venv/bin/python loadtests/llama_server.py --build --isa avx2   # AVX2/FMA/F16C only, AVX-512 off
 
-The build is native (this CPU's own instruction set), CPU only, into a cache outside the repository
-(`$TOKENWEIR_CACHE` or ~/.cache/tokenweir). Every step prints what it runs; a failure says why and returns None so the
-benchmark can skip the row instead of dying.
+The build is native (this CPU's own instruction set) or, with `isa="avx2"` (or TOKENWEIR_CPU_ISA=avx2 in the
+environment, the switch that also builds our kernels for AVX2 only), for the AVX2 class of CPUs: GGML_NATIVE off,
+AVX2/FMA/F16C on, AVX-512 off. CPU only, into a cache outside the repository (`$TOKENWEIR_CACHE` or
+~/.cache/tokenweir), one build directory per ISA. Every step prints what it runs; a failure says why and returns None
+so the benchmark can skip the row instead of dying.
 """
 
 from __future__ import annotations
@@ -23,7 +26,20 @@ import urllib.request
 
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = os.environ.get("TOKENWEIR_CACHE", os.path.expanduser("~/.cache/tokenweir"))
-BINARY = os.path.join(CACHE, "llama.cpp-0.3.36", "build", "bin", "llama-server")
+SOURCE = os.path.join(CACHE, "llama.cpp-0.3.36")
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"],
+}  # fmt: skip
+
+
+def default_isa() -> str:
+    return os.environ.get("TOKENWEIR_CPU_ISA", "native") or "native"
+
+
+def binary_path(isa: str) -> str:
+    return os.path.join(SOURCE, "build" if isa == "native" else f"build-{isa}", "bin", "llama-server")
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> None:
@@ -31,16 +47,20 @@ def _run(cmd: list[str], cwd: str | None = None) -> None:
     subprocess.run(cmd, cwd=cwd, check=True)
 
 
-def build(jobs: int | None = None) -> str | None:
-    """Return the path of a built llama-server, building it if the cache lacks one; None (with the reason printed)
-    when the toolchain or the download is missing."""
-    if os.path.exists(BINARY):
-        return BINARY
+def build(jobs: int | None = None, isa: str | None = None) -> str | None:
+    """Return the path of a built llama-server for `isa` (default: TOKENWEIR_CPU_ISA, else native), building it if
+    the cache lacks one; None (with the reason printed) when the toolchain or the download is missing."""
+    isa = isa or default_isa()
+    assert isa in ISA_FLAGS, f"isa: one of {sorted(ISA_FLAGS)}"
+    binary = binary_path(isa)
+    if os.path.exists(binary):
+        return binary
     for tool in ("cmake", "ninja", "g++"):
         if shutil.which(tool) is None:
             print(f"llama-server: skipped, {tool} is not installed", file=sys.stderr)
             return None
-    root = os.path.dirname(os.path.dirname(os.path.dirname(BINARY)))
+    root = SOURCE
+    build_dir = os.path.dirname(os.path.dirname(binary))
     try:
         os.makedirs(CACHE, exist_ok=True)
         sdists = glob.glob(os.path.join(CACHE, "llama_cpp_python-*.tar.gz"))
@@ -58,8 +78,8 @@ def build(jobs: int | None = None) -> str | None:
         started = time.monotonic()
         _run(
             [
-                "cmake", "-S", root, "-B", os.path.join(root, "build"), "-G", "Ninja",
-                "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
+                "cmake", "-S", root, "-B", build_dir, "-G", "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
             ]
         )  # fmt: skip
@@ -67,18 +87,18 @@ def build(jobs: int | None = None) -> str | None:
             [
                 "cmake",
                 "--build",
-                os.path.join(root, "build"),
+                build_dir,
                 "--target",
                 "llama-server",
                 "-j",
                 str(jobs or os.cpu_count()),
             ]
         )
-        print(f"llama-server built in {time.monotonic() - started:.0f}s: {BINARY}", flush=True)
+        print(f"llama-server ({isa}) built in {time.monotonic() - started:.0f}s: {binary}", flush=True)
     except (subprocess.CalledProcessError, OSError, IndexError, tarfile.TarError, urllib.error.URLError) as exc:
         print(f"llama-server: skipped, the build failed: {exc}", file=sys.stderr)
         return None
-    return BINARY if os.path.exists(BINARY) else None
+    return binary if os.path.exists(binary) else None
 
 
 def free_port() -> int:
@@ -129,7 +149,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true")
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--isa", choices=sorted(ISA_FLAGS), default=None, help="default: TOKENWEIR_CPU_ISA, else native")
     args = ap.parse_args()
-    path = build(args.jobs)
+    path = build(args.jobs, args.isa)
     print(path or "no llama-server")
     sys.exit(0 if path else 1)

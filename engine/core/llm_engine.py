@@ -30,6 +30,7 @@ from tokenweir.engine.spec.draft_budget import DraftBudget
 from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
 from tokenweir.engine.spec.ngram_proposer import NgramProposer
 from tokenweir.engine.worker.model_runner import ModelRunner
+from tokenweir.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger("tokenweir.engine")
 
@@ -37,6 +38,7 @@ log = logging.getLogger("tokenweir.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
+        cpu_ops.hold_torch_to_isa()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = config.model or default_model_path()

@@ -44,14 +44,17 @@ CPU_FLAGS_OFF_ENV = "TOKENWEIR_CPU_FLAGS_OFF"  # e.g. "avx512_bf16,amx_bf16": ru
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's flags (/proc/cpuinfo), less those named in TOKENWEIR_CPU_FLAGS_OFF (comma-separated): the precision
-    choices then follow the numerics of a CPU without them (e.g. float32 prefill chunks where bf16 would be picked)."""
+    """The CPU's flags (/proc/cpuinfo), less those named in TOKENWEIR_CPU_FLAGS_OFF (comma-separated) and those
+    TOKENWEIR_CPU_ISA=avx2 takes away: the precision choices then follow the numerics of a CPU without them (e.g.
+    float32 prefill chunks where bf16 would be picked)."""
     off = {f.strip() for f in os.environ.get(CPU_FLAGS_OFF_ENV, "").split(",") if f.strip()}
+    isa_off = cpu_ops.ISA_FLAGS_OFF[cpu_ops.cpu_isa()]
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split()) - off
+                    flags = set(line.split(":", 1)[1].split()) - off
+                    return {flag for flag in flags if not flag.startswith(isa_off)}
     except OSError:
         pass
     return set()

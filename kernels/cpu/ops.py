@@ -8,6 +8,12 @@ does not. A start waits for a build at most TOKENWEIR_KERNEL_BUILD_TIMEOUT_S (30
 `-march=native` picks AVX2/FMA where the CPU has them; elsewhere the kernels' scalar loops run. `load()` returns None
 where there is no compiler, the build fails or outlasts that bound, and the engine then keeps dense weights and the
 torch attention.
+
+TOKENWEIR_CPU_ISA=avx2 runs the engine as on a CPU of the AVX2 class (AMD EPYC before Zen 4, most desktops): the
+kernels built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512, no VNNI; cached apart), the precision choices made as
+without avx512*/amx/avx_vnni flags (engine/model/precision.py), and torch's own CPU paths held to AVX2
+(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA, unless set). For measuring that class on a machine
+that has more; `native` (the default) uses everything this CPU has.
 """
 
 from __future__ import annotations
@@ -21,7 +27,27 @@ import torch
 from tokenweir.kernels.cpu import build
 
 NAME = "tokenweir_cpu_ops"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+ISA_ENV = "TOKENWEIR_CPU_ISA"
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+# what the AVX2 class lacks, as /proc/cpuinfo names it
+ISA_FLAGS_OFF = {"native": (), "avx2": ("avx512", "amx", "avx_vnni")}
+TORCH_ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def cpu_isa() -> str:
+    isa = os.environ.get(ISA_ENV, "") or "native"
+    assert isa in ISA_MARCH, f"{ISA_ENV}: one of {', '.join(ISA_MARCH)}, got {isa!r}"
+    return isa
+
+
+def hold_torch_to_isa() -> None:
+    """Under TOKENWEIR_CPU_ISA=avx2, torch's own kernels too (call before the first torch op: each reads it once)."""
+    if cpu_isa() == "avx2":
+        for name, value in TORCH_ISA_ENV.items():
+            os.environ.setdefault(name, value)
+
+
+CFLAGS = ["-O3", ISA_MARCH[cpu_isa()], "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 # next to this file; the build cache key digests their names and content, not this folder's path
 SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.cpp")))

@@ -1,6 +1,11 @@
 """Choosing the compute format: `auto` never picks emulated bf16, explicit choices are kept, and every format the
 engine can build (float32 dense or int8, bf16 dense or int8) runs the tiny model to logits close to HF's float32."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -86,3 +91,29 @@ def test_an_int8_engine_serves_requests_end_to_end(tiny_model_dir, quantization)
     outs = llm.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.num_output_tokens for o in outs] == [8, 8]
     assert llm.engine.block_manager.num_free_blocks == 32  # every block back (cached prefixes stay evictable)
+
+
+def test_the_avx2_switch_builds_for_x86_64_v3_and_hides_the_wider_flags():
+    """TOKENWEIR_CPU_ISA=avx2 (kernels/cpu/ops.py), in a fresh interpreter as an engine would start under it."""
+    code = (
+        "import os, json\n"
+        "from tokenweir.kernels.cpu import ops\n"
+        "from tokenweir.engine.model.precision import cpu_flags\n"
+        "ops.hold_torch_to_isa()\n"
+        "print(json.dumps({'cflags': ops.CFLAGS, 'flags': sorted(cpu_flags()),\n"
+        "                  'torch': {k: os.environ.get(k) for k in ops.TORCH_ISA_ENV}}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in cpu_ops.TORCH_ISA_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "TOKENWEIR_CPU_ISA": "avx2"}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert "-march=x86-64-v3" in seen["cflags"] and "-march=native" not in seen["cflags"]
+    assert not [f for f in seen["flags"] if f.startswith(("avx512", "amx", "avx_vnni"))]
+    assert ("avx2" in seen["flags"]) == ("avx2" in cpu_flags())  # what the class has stays
+    assert seen["torch"] == cpu_ops.TORCH_ISA_ENV
+    bad = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "TOKENWEIR_CPU_ISA": "avx3"}, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "TOKENWEIR_CPU_ISA: one of native, avx2, got 'avx3'" in bad.stderr
