@@ -34,10 +34,11 @@ class DraftBudget:
     PRIOR_ROW_SHARE = 0.25  # before two row counts are measured, an extra row costs this share of a one-row step
     STEP_DECAY = 0.98  # weight of a step's timing per later decode step (half-life ~35 steps)
     SEQ_DECAY = 0.8  # weight of a sequence's verification per later one
-    IDLE_DECAY = 0.95  # ... per step it drafts nothing, back towards the pooled estimate
+    IDLE_DECAY = 0.97  # ... per step it drafts nothing, back towards the pooled estimate
     PRIOR_TRIALS = 2.0  # the pooled estimate's weight in a sequence's
     POOLED_START = 0.6
     POOLED_RATE = 0.05  # the pooled estimate's step towards each verification's outcome
+    POOLED_IDLE_RATE = 0.01  # ... and towards its start per sequence held back (probes on open chat are rare)
 
     def __init__(self) -> None:
         self._sums = [0.0] * 5  # decayed sums of w, w*rows, w*seconds, w*rows^2, w*rows*seconds
@@ -103,7 +104,7 @@ class DraftBudget:
                 tokens, seconds = tokens + gain, seconds + per_row
         for (seq, drafts), count in zip(proposals, kept, strict=True):
             if count == 0 and drafts:  # held back: it fades towards the pooled estimate, which fades to its start
-                self.pooled += (1 - self.IDLE_DECAY) / len(proposals) * (self.POOLED_START - self.pooled)
+                self.pooled += self.POOLED_IDLE_RATE * (self.POOLED_START - self.pooled)
                 record = self._sequences.get(seq)
                 if record is not None:
                     record.accepted *= self.IDLE_DECAY
