@@ -34,7 +34,9 @@ from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
 OURS_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 OURS_SPEC_EVERY_DRAFT = OURS_SPEC[:-1] + ', "cost_aware": false}'  # the raw lever: no draft budget
-LLAMA_SPEC = ["--spec-type", "ngram-simple", "--draft-max", "4"]
+# prompt lookup as ours: the draft follows the last occurrence of the last 4 tokens (its defaults, 12 and 48, are for
+# long verbatim repeats and matched nothing in these short answers)
+LLAMA_SPEC = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "16"]
 
 CODE = """def summarize(orders):
     total = 0
@@ -168,7 +170,11 @@ def measure_llama(path: str, threads: int, extra: list[str], max_tokens: int) ->
     binary = llama_server.build()
     if binary is None:
         return None
-    proc, url = llama_server.start(binary, path, 1, threads, extra=extra)
+    try:
+        proc, url = llama_server.start(binary, path, 1, threads, extra=extra)
+    except RuntimeError as exc:  # e.g. a flag this llama.cpp does not take: its log says which
+        print(f"llama-server {' '.join(extra)}: no row, {exc}", flush=True)
+        return None
     try:
         return run_row(url, False, max_tokens, "llama-server" + (" ngram" if extra else ""))
     finally:

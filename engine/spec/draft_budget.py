@@ -3,11 +3,12 @@
 A verification row is not free on every device: on a 2-core CPU each extra row of a decode step cost about half of a
 one-row step (the integer GEMMs and the attention are compute-bound per row there), while on a GPU a few extra rows
 cost next to nothing. So the budget measures it: decode steps' seconds are fitted as a line in their rows,
-t(rows) = fixed + per_row * rows, over recent steps. A draft at position j of a sequence whose drafts are accepted
-with probability `alpha` each (given the previous one was) yields alpha ** j expected tokens; drafts are kept, best
-first, while a draft's expected tokens per second of its row beat the step's tokens per second so far. A workload
-whose drafts are rarely right (open chat) so decodes as without the lever, one whose drafts are right (copying)
-checks as many as pay.
+t(rows) = fixed + per_row * rows, through each row count's recent mean (per count, so the few multi-row steps of a
+mostly plain workload are not outvoted by its many one-row steps). A draft at position j of a sequence whose drafts
+are accepted with probability `alpha` each (given the previous one was) yields alpha ** j expected tokens; drafts are
+kept, best first, while a draft's expected tokens per second of its row beat the step's tokens per second so far.
+A workload whose drafts are rarely right (open chat) so decodes as without the lever, one whose drafts are right
+(copying) checks as many as pay.
 
 `alpha` is estimated per sequence from its recent verifications (accepted drafts / (accepted + first refusals)),
 starting from, and drifting back to while it drafts nothing, the engine's pooled estimate over recent sequences
@@ -32,7 +33,7 @@ class _Acceptance:
 
 class DraftBudget:
     PRIOR_ROW_SHARE = 0.25  # before two row counts are measured, an extra row costs this share of a one-row step
-    STEP_DECAY = 0.98  # weight of a step's timing per later decode step (half-life ~35 steps)
+    BUCKET_MEMORY = 20  # a row count's mean step time follows its last ~20 steps (a rare count keeps its own)
     SEQ_DECAY = 0.8  # weight of a sequence's verification per later one
     IDLE_DECAY = 0.97  # ... per step it drafts nothing, back towards the pooled estimate
     PRIOR_TRIALS = 2.0  # the pooled estimate's weight in a sequence's
@@ -41,7 +42,7 @@ class DraftBudget:
     POOLED_IDLE_RATE = 0.01  # ... and towards its start per sequence held back (probes on open chat are rare)
 
     def __init__(self) -> None:
-        self._sums = [0.0] * 5  # decayed sums of w, w*rows, w*seconds, w*rows^2, w*rows*seconds
+        self._buckets: dict[int, list[float]] = {}  # rows -> [steps counted (capped), their mean seconds]
         self.pooled = self.POOLED_START
         self._sequences: weakref.WeakKeyDictionary[Sequence, _Acceptance] = weakref.WeakKeyDictionary()
 
@@ -49,11 +50,9 @@ class DraftBudget:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step (decode and verification rows only: prefill rows cost otherwise) took `seconds`."""
-        sums = self._sums
-        for i in range(5):
-            sums[i] *= self.STEP_DECAY
-        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
-            sums[i] += value
+        bucket = self._buckets.setdefault(rows, [0.0, 0.0])
+        bucket[0] = min(bucket[0] + 1, self.BUCKET_MEMORY)
+        bucket[1] += (seconds - bucket[1]) / bucket[0]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """One verification: `accepted` of `proposed` drafts were kept (the first refused one ends the run)."""
@@ -68,15 +67,19 @@ class DraftBudget:
         return (record.accepted + self.PRIOR_TRIALS * self.pooled) / (record.trials + self.PRIOR_TRIALS)
 
     def step_cost(self) -> tuple[float, float] | None:
-        """(fixed, per_row) seconds of a decode step, or None before any step was measured."""
-        w, n, t, nn, nt = self._sums
-        if w == 0:
+        """(fixed, per_row) seconds of a decode step, or None before any step was measured: a line fitted by least
+        squares through each row count's recent mean, weighted by how many steps it holds."""
+        if not self._buckets:
             return None
-        mean_n, mean_t = n / w, t / w
-        variance = nn / w - mean_n * mean_n
-        if variance > 0.05:
-            per_row = (nt / w - mean_n * mean_t) / variance
-            return mean_t - per_row * mean_n, max(per_row, 0.0)
+        w = sum(weight for weight, _ in self._buckets.values())
+        mean_n = sum(weight * rows for rows, (weight, _) in self._buckets.items()) / w
+        mean_t = sum(weight * mean for weight, mean in self._buckets.values()) / w
+        if len(self._buckets) > 1:
+            items = self._buckets.items()
+            covariance = sum(weight * (rows - mean_n) * (mean - mean_t) for rows, (weight, mean) in items)
+            variance = sum(weight * (rows - mean_n) ** 2 for rows, (weight, _) in items)
+            per_row = max(covariance / variance, 0.0)
+            return mean_t - per_row * mean_n, per_row
         # every measured step had the same rows: the prior share of a one-row step per extra row
         one_row = mean_t / (1 + self.PRIOR_ROW_SHARE * (mean_n - 1))
         return one_row * (1 - self.PRIOR_ROW_SHARE), one_row * self.PRIOR_ROW_SHARE
