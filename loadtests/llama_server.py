@@ -24,6 +24,8 @@ import tarfile
 import time
 import urllib.request
 
+from tokenweir.kernels.cpu import ops as cpu_ops
+
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = os.environ.get("TOKENWEIR_CACHE", os.path.expanduser("~/.cache/tokenweir"))
 SOURCE = os.path.join(CACHE, "llama.cpp-0.3.36")
@@ -32,10 +34,6 @@ ISA_FLAGS = {
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"],
 }  # fmt: skip
-
-
-def default_isa() -> str:
-    return os.environ.get("TOKENWEIR_CPU_ISA", "native") or "native"
 
 
 def binary_path(isa: str) -> str:
@@ -50,7 +48,7 @@ def _run(cmd: list[str], cwd: str | None = None) -> None:
 def build(jobs: int | None = None, isa: str | None = None) -> str | None:
     """Return the path of a built llama-server for `isa` (default: TOKENWEIR_CPU_ISA, else native), building it if
     the cache lacks one; None (with the reason printed) when the toolchain or the download is missing."""
-    isa = isa or default_isa()
+    isa = isa or cpu_ops.cpu_isa()
     assert isa in ISA_FLAGS, f"isa: one of {sorted(ISA_FLAGS)}"
     binary = binary_path(isa)
     if os.path.exists(binary):
@@ -59,7 +57,6 @@ def build(jobs: int | None = None, isa: str | None = None) -> str | None:
         if shutil.which(tool) is None:
             print(f"llama-server: skipped, {tool} is not installed", file=sys.stderr)
             return None
-    root = SOURCE
     build_dir = os.path.dirname(os.path.dirname(binary))
     try:
         os.makedirs(CACHE, exist_ok=True)
@@ -67,18 +64,18 @@ def build(jobs: int | None = None, isa: str | None = None) -> str | None:
         if not sdists:
             _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", CACHE])
             sdists = glob.glob(os.path.join(CACHE, "llama_cpp_python-*.tar.gz"))
-        if not os.path.isdir(os.path.join(root, "ggml")):
+        if not os.path.isdir(os.path.join(SOURCE, "ggml")):
             print(f"unpacking vendor/llama.cpp from {os.path.basename(sdists[0])}", flush=True)
             with tarfile.open(sdists[0]) as tar:
                 prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
                 members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
                 for m in members:
                     m.name = m.name[len(prefix) :]
-                tar.extractall(root, members=[m for m in members if m.name], filter="data")
+                tar.extractall(SOURCE, members=[m for m in members if m.name], filter="data")
         started = time.monotonic()
         _run(
             [
-                "cmake", "-S", root, "-B", build_dir, "-G", "Ninja",
+                "cmake", "-S", SOURCE, "-B", build_dir, "-G", "Ninja",
                 "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
             ]

@@ -102,9 +102,9 @@ class DraftBudget:
         for gain, position, i in candidates:
             if gain * seconds <= tokens * per_row:  # this row's tokens per second would lower the step's
                 break
-            if position == kept[i] + 1:
-                kept[i] = position
-                tokens, seconds = tokens + gain, seconds + per_row
+            assert position == kept[i] + 1  # alpha < 1: a sequence's gains fall with position, so they come in order
+            kept[i] = position
+            tokens, seconds = tokens + gain, seconds + per_row
         for (seq, drafts), count in zip(proposals, kept, strict=True):
             if count == 0 and drafts:  # held back: it fades towards the pooled estimate, which fades to its start
                 self.pooled += self.POOLED_IDLE_RATE * (self.POOLED_START - self.pooled)
