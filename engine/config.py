@@ -82,22 +82,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """From vLLM's JSON form; an unknown key or a bad value is a ValueError naming it."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError('--speculative-config: a JSON object, e.g. \'{"method": "ngram", ...}\'')
-        if raw.get("model") and "method" not in raw:
-            raw["method"] = "draft_model"  # as vLLM infers it
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**raw)
-        except (AssertionError, TypeError) as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        return _dataclass_from_json(cls, text, "--speculative-config", '{"method": "ngram", ...}')
 
     def describe(self) -> str:
         source = f"model={self.model}" if self.model else f"n={self.prompt_lookup_min}..{self.prompt_lookup_max}"
@@ -106,6 +91,46 @@ class SpeculativeConfig:
             f"{self.method} k={self.num_speculative_tokens} {source} off above {self.disable_by_batch_size} running, "
             f"{budget}"
         )
+
+
+@dataclass
+class KVTransferConfig:
+    """Disaggregated prefill, vLLM's `--kv-transfer-config` JSON. A `kv_producer` computes prompts for decode engines:
+    a request whose `kv_transfer_params` say `do_remote_decode` keeps its prompt's KV blocks pinned when it finishes
+    (for `pin_timeout_s` at most, or until fetched) and its output says where to fetch them; the blocks are served over
+    TCP at `kv_ip`:`kv_port` (port 0: any free one). A `kv_consumer` takes requests whose `kv_transfer_params` say
+    `do_remote_prefill`: it fetches the prompt's blocks from that producer (a fetch that fails or passes
+    `fetch_timeout_s` falls back to computing the prompt itself), then decodes. `kv_both` is both."""
+
+    kv_role: str = "kv_both"
+    kv_connector: str = "TcpConnector"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    pin_timeout_s: float = 30.0
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        roles = ("kv_producer", "kv_consumer", "kv_both")
+        assert self.kv_role in roles, f"kv_role: one of {', '.join(roles)}, got {self.kv_role!r}"
+        assert self.kv_connector == "TcpConnector", f"kv_connector: TcpConnector, got {self.kv_connector!r}"
+        assert 0 <= self.kv_port <= 65535, f"kv_port: 0 to 65535, got {self.kv_port}"
+        assert self.pin_timeout_s > 0 and self.fetch_timeout_s > 0, "pin_timeout_s and fetch_timeout_s: above 0"
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """From vLLM's JSON form; an unknown key or a bad value is a ValueError naming it."""
+        return _dataclass_from_json(cls, text, "--kv-transfer-config", '{"kv_role": "kv_producer"}')
+
+    def describe(self) -> str:
+        return f"{self.kv_role} over {self.kv_connector} at {self.kv_ip}:{self.kv_port or 'any port'}"
 
 
 @dataclass
@@ -125,6 +150,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # off: a prompt is computed in one step, never cut into chunks
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
     num_threads: int | None = None
     seed: int = 0
@@ -140,3 +166,22 @@ class EngineConfig:
             )
         modes = ("none", "int8", "w8a8", "gguf", "gguf-a16", "auto")
         assert self.quantization in modes, f"quantization: one of {', '.join(modes)}"
+
+
+def _dataclass_from_json(cls, text: str, flag: str, example: str):
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag}: a JSON object, e.g. '{example}'")
+    if cls is SpeculativeConfig and raw.get("model") and "method" not in raw:
+        raw["method"] = "draft_model"  # as vLLM infers it
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**raw)
+    except (AssertionError, TypeError) as e:
+        raise ValueError(f"{flag}: {e}") from None

@@ -9,7 +9,7 @@ import os
 
 from tokenweir.common.engine_flags import API_KEY_ENV, parse_size
 from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
-from tokenweir.engine.config import EngineConfig, SpeculativeConfig
+from tokenweir.engine.config import EngineConfig, KVTransferConfig, SpeculativeConfig
 
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
 # sends on a connection the server is closing at that very moment.
@@ -31,6 +31,13 @@ def parse_dtype(text: str) -> str:
 def parse_speculative(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_kv_transfer(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -171,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer (method draft_model); default: off",
     )
     p.add_argument(
+        "--kv-transfer-config",
+        type=parse_kv_transfer,
+        default=None,
+        metavar="JSON",
+        help='disaggregated prefill, as vLLM\'s: \'{"kv_role": "kv_producer"}\' computes prompts for decode engines '
+        '(requests with "kv_transfer_params": {"do_remote_decode": true}) and serves their KV over TCP at "kv_ip" '
+        '(127.0.0.1) and "kv_port" (0: any free port), pinned for "pin_timeout_s" (30) at most; "kv_consumer" '
+        'fetches the KV a prefill hop\'s answer names (within "fetch_timeout_s", 10; else it computes the prompt) '
+        'and decodes; "kv_both" does both; default: off',
+    )
+    p.add_argument(
         "--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
     )
     p.add_argument(
@@ -214,6 +232,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         speculative=args.speculative_config,
+        kv_transfer=args.kv_transfer_config,
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
         num_threads=args.num_threads,
         seed=args.seed,

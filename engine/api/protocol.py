@@ -7,7 +7,7 @@ instead of being silently dropped.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -116,6 +116,9 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool = False
     # tokenweir extra: false keeps this request out of speculative decoding where the engine runs it
     speculative: bool = True
+    # vLLM's disaggregated prefill: {"do_remote_decode": true} on a prefill hop (its response answers where the
+    # prompt's KV waits), that answer on the decode hop
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,6 +159,7 @@ class _SamplingRequest(BaseModel):
             n=self.n,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             speculative=self.speculative,
+            kv_transfer_params=self.kv_transfer_params,
             **self.extra_sampling(),
         )
 

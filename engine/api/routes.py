@@ -256,7 +256,10 @@ def whole_response(
 ) -> JSONResponse:
     """A non-stream response: its rendered choices, and the usage the last output counted for the whole request."""
     usage = Usage.model_validate(outs[-1].usage)
-    return JSONResponse(dump_response(response_type(id=response_id, model=model, choices=choices, usage=usage)))
+    body = dump_response(response_type(id=response_id, model=model, choices=choices, usage=usage))
+    if outs[-1].kv_transfer_params is not None:  # a prefill hop: where its prompt's KV waits (vLLM's field)
+        body["kv_transfer_params"] = outs[-1].kv_transfer_params
+    return JSONResponse(body)
 
 
 async def collect(request: Request, stream: RequestStream, n: int = 1) -> list[RequestOutput]:

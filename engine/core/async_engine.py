@@ -165,6 +165,7 @@ class AsyncEngine:
         self._thread = thread
         self._running: Future | None = None
         self._stopping = False
+        engine.on_transfer_event = self._wakeup.set  # a pin fetched or a fetch done: free or run them now
 
     # --- what the server may know about the engine ------------------------------------------------------------------
 
@@ -218,6 +219,7 @@ class AsyncEngine:
                 self._running.result(timeout=10)
             assert self._thread is not None  # start() set it with _running
             self._thread.shutdown()
+        self.engine.close()  # its KV transfer threads, if any
 
     # --- called on the event loop -----------------------------------------------------------------------------------
 
@@ -288,7 +290,9 @@ class AsyncEngine:
                 if self._run_commands():
                     self._publish_stats()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=1.0)
+                    if self.engine.collect_transfers():
+                        self._publish_stats()
+                    self._wakeup.wait(timeout=self.engine.idle_wait_s())
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()

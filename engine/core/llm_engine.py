@@ -11,16 +11,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import torch
 
-from tokenweir.common.text.model_files import default_model_path
+from tokenweir.common.text.model_files import default_model_path, model_digest
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.errors import RequestError, RequestFailed
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.core.output_processor import OutputProcessor
 from tokenweir.engine.core.request_checks import check_request
+from tokenweir.engine.kv_transfer.fetcher import KVFetch, KVFetcher
+from tokenweir.engine.kv_transfer.layout import KVLayout, prompt_digest
+from tokenweir.engine.kv_transfer.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
+from tokenweir.engine.kv_transfer.pins import KVPins
+from tokenweir.engine.kv_transfer.server import KVServer
 from tokenweir.engine.sched.block_manager import BlockManager
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -81,6 +87,7 @@ class LLMEngine:
             self.proposer = NgramProposer(config.speculative)
         self.draft_budget = DraftBudget() if config.speculative is not None and config.speculative.cost_aware else None
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.sampler)
+        self._set_up_kv_transfer()
         self._structured = None  # engine.text.structured.StructuredOutputs, made on the first request that needs it
         self.last_stats = StepStats()
         log.info(
@@ -96,13 +103,48 @@ class LLMEngine:
         )
         log.info("levers: %s", self.levers())
 
+    def _set_up_kv_transfer(self) -> None:
+        """The producer's pins and KV server, the consumer's fetcher (engine/kv_transfer/)."""
+        self.on_transfer_event = lambda: None  # AsyncEngine wakes its idle loop with it
+        self.kv_pins: KVPins | None = None
+        self.kv_server: KVServer | None = None
+        self.kv_fetcher: KVFetcher | None = None
+        self._remote: dict[str, tuple[Sequence, RemotePrefill]] = {}  # decode hops by sequence id, until fetching
+        self._fetches: dict[str, KVFetch] = {}  # by sequence id, while in flight
+        self.kv_fetches = self.kv_fetch_failures = self.kv_fetched_bytes = 0
+        self.kv_fetch_seconds = 0.0
+        config = self.config.kv_transfer
+        if config is None:
+            return
+        kv_cache = self.runner.kv_cache
+        self.kv_layout = KVLayout.of_cache(kv_cache, model_digest(self.model_path), self.precision.quantization)
+        self.engine_id = f"{config.kv_ip}:{os.getpid()}:{id(self):x}"
+        if config.is_producer:
+            self.kv_pins = KVPins(config.pin_timeout_s, on_change=lambda: self.on_transfer_event())
+            self.kv_server = KVServer(self.kv_pins, kv_cache, self.kv_layout, config.kv_ip, config.kv_port)
+            self.kv_pins.address = (self.kv_server.host, self.kv_server.port, self.engine_id)
+            self.scheduler.pin = self.kv_pins.pin
+        if config.is_consumer:
+            self.kv_fetcher = KVFetcher(
+                kv_cache, self.kv_layout, config.fetch_timeout_s, on_done=lambda: self.on_transfer_event()
+            )
+        log.info("kv transfer: %s, serving on port %s", config.describe(), self.kv_server and self.kv_server.port)
+
+    def close(self) -> None:
+        """Stop the KV transfer threads (the model and its pool go with the object)."""
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.kv_fetcher is not None:
+            self.kv_fetcher.close()
+
     def levers(self) -> str:
         """Each serving lever's setting, as the start-up log states it."""
         config, spec = self.config, self.config.speculative
         chunked = f"on (chunks of {config.max_num_batched_tokens})" if config.enable_chunked_prefill else "off"
         return (
             f"prefix_caching={'on' if config.enable_prefix_caching else 'off'}, chunked_prefill={chunked}, "
-            f"speculative={spec.describe() if spec is not None else 'off'}, structured_outputs=per request"
+            f"speculative={spec.describe() if spec is not None else 'off'}, structured_outputs=per request, "
+            f"kv_transfer={config.kv_transfer.describe() if config.kv_transfer is not None else 'off'}"
         )
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -111,6 +153,32 @@ class LLMEngine:
         """Raise RequestError for a request that can never run; fills in a missing max_tokens (check_request)."""
         vocab_size = self.model_config.vocab_size
         check_request(prompt_token_ids, params, vocab_size, self.max_model_len, lambda: self.structured)
+        self._check_kv_transfer(params.kv_transfer_params)
+
+    def _check_kv_transfer(self, params: dict | None) -> None:
+        if not params:
+            return
+        config = self.config.kv_transfer
+        hop = "prefill" if wants_remote_decode(params) else "decode" if wants_remote_prefill(params) else None
+        if hop is None:
+            raise RequestError(
+                'kv_transfer_params: {"do_remote_decode": true} for a prefill hop, or a prefill hop\'s answer',
+                code="invalid_kv_transfer_params",
+                param="kv_transfer_params",
+            )
+        role_ok = config is not None and (config.is_producer if hop == "prefill" else config.is_consumer)
+        if not role_ok:
+            raise RequestError(
+                f"this engine takes no {hop} hops: its --kv-transfer-config is "
+                f"{config.kv_role if config is not None else 'unset'}",
+                code="kv_transfer_unsupported",
+                param="kv_transfer_params",
+            )
+        if hop == "decode":
+            try:
+                RemotePrefill.parse(params)
+            except ValueError as exc:
+                raise RequestError(str(exc), code="invalid_kv_transfer_params", param="kv_transfer_params") from None
 
     def add_request(
         self,
@@ -141,6 +209,12 @@ class LLMEngine:
             )
             if choice.structured is not None:
                 seq.matcher = self.structured.matcher(self.structured.compile(choice.structured))
+            if index == 0 and params.kv_transfer_params:  # the first choice carries the prompt's KV for the others
+                seq.remote_decode = wants_remote_decode(params.kv_transfer_params)
+                if wants_remote_prefill(params.kv_transfer_params):
+                    remote = RemotePrefill.parse(params.kv_transfer_params)
+                    seq.num_remote_tokens = remote.num_tokens
+                    self._remote[seq_id] = (seq, remote)
             self.output_processor.add_choice(seq)
             self.scheduler.add(seq)
         return group[0]
@@ -173,18 +247,36 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self.config.kv_transfer is None:
+            return stats
+        pins, server = self.kv_pins, self.kv_server
+        return replace(
+            stats,
+            kv_pinned_blocks=pins.num_blocks if pins is not None else 0,
+            kv_pins_served=server.transfers_served if server is not None else 0,
+            kv_pins_expired=pins.num_expired if pins is not None else 0,
+            kv_bytes_sent=server.bytes_sent if server is not None else 0,
+            kv_fetches=self.kv_fetches,
+            kv_fetch_failures=self.kv_fetch_failures,
+            kv_bytes_fetched=self.kv_fetched_bytes,
+            kv_fetch_seconds=self.kv_fetch_seconds,
+        )
 
     # --- the step ---------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, let the scheduler record what it produced, make the outputs."""
         start = time.monotonic()
+        self.collect_transfers()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
+        self._start_fetches()
         if batch.is_empty:
             self.last_stats = StepStats()
+            if self.kv_fetcher is not None and self.kv_fetcher.in_flight:
+                self.kv_fetcher.wait(0.01)  # only fetches are under way: wait for one rather than spin
             return []
         sampled_token_ids, logprobs, failed = self.runner.run(batch)
         if self.draft_budget is not None and not batch.prefills:
@@ -222,6 +314,52 @@ class LLMEngine:
         )
         return outputs
 
+    # --- disaggregated prefill ----------------------------------------------------------------------------------------
+
+    def collect_transfers(self) -> bool:
+        """Free the pins consumers have fetched or that expired; take in the finished fetches (their sequences run,
+        or compute their prompts here if the fetch failed); stop fetching for requests that ended. True if a pin was
+        freed (the pool changed while no request ran)."""
+        freed = self.kv_pins is not None and self.kv_pins.collect(self.block_manager.free) > 0
+        if self.kv_fetcher is None:
+            return freed
+        for fetch in self.kv_fetcher.poll():
+            if not fetch.block_ids:  # a release: the producer's pin is not needed
+                continue
+            del self._fetches[fetch.seq.request_id]
+            self.kv_fetches += 1
+            self.kv_fetched_bytes += fetch.num_bytes
+            self.kv_fetch_seconds += fetch.seconds
+            if not fetch.ok and not fetch.seq.is_finished:
+                self.kv_fetch_failures += 1
+                why = fetch.error
+                log.warning("request %s: KV fetch failed (%s); computing its prompt here", fetch.seq.group_id, why)
+            self.scheduler.fetched(fetch.seq, fetch.ok)
+        for fetch in self._fetches.values():
+            if fetch.seq.is_finished:
+                fetch.cancelled.set()
+        for seq_id in [i for i, (seq, _) in self._remote.items() if seq.is_finished or seq.num_remote_tokens is None]:
+            # ended before its fetch began, or its prefix cache holds the prompt: the producer may free its pin
+            seq, remote = self._remote.pop(seq_id)
+            self.kv_fetcher.submit(KVFetch(seq, remote, prompt_digest(seq.token_ids[: seq.num_prompt_tokens]), 0, []))
+        return freed
+
+    def idle_wait_s(self) -> float:
+        """How long an engine with no request may sleep: until its next pin expires, a second at most."""
+        expiry = self.kv_pins.next_expiry() if self.kv_pins is not None else None
+        return 1.0 if expiry is None else min(1.0, max(0.0, expiry - time.monotonic()) + 0.001)
+
+    def _start_fetches(self) -> None:
+        for seq in self.scheduler.new_fetches:
+            assert self.kv_fetcher is not None  # validate checked the role
+            _, remote = self._remote.pop(seq.request_id)
+            first = seq.num_computed_tokens // self.config.block_size
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            fetch = KVFetch(seq, remote, prompt_digest(prompt), first, seq.block_table[first:])
+            self._fetches[seq.request_id] = fetch
+            self.kv_fetcher.submit(fetch)
+        self.scheduler.new_fetches.clear()
+
     def _propose(self) -> None:
         """Drafts for the decoding sequences that may speculate (none above the batch-size switch)."""
         assert self.proposer is not None
@@ -232,7 +370,8 @@ class LLMEngine:
         requests: list[tuple[Sequence, int]] = []
         decoding = 0
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
+            # one token to compute, not of the prompt (a prompt's last token is a prefill row, never a verify row)
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.is_prefilling:
                 continue
             decoding += 1
             if not _may_speculate(seq):

@@ -120,6 +120,16 @@ class EngineMetrics:
             ["model_name", "position"],
             registry=r,
         )
+        self.kv_pinned_blocks = gauge("kv_transfer_pinned_blocks", "KV blocks pinned for decode engines to fetch.")
+        self.kv_pins_served = counter("kv_transfer_served", "Prompts' KV fetched from here by decode engines.")
+        self.kv_pins_expired = counter("kv_transfer_expired", "Pinned prompts' KV freed unfetched, at its timeout.")
+        self.kv_bytes_sent = counter("kv_transfer_sent_bytes", "KV bytes sent to decode engines.")
+        self.kv_fetches = counter("kv_transfer_fetches", "Fetches of a prompt's KV from a prefill engine.")
+        self.kv_fetch_failures = counter(
+            "kv_transfer_fetch_failures", "Fetches that failed (the prompt was computed here instead)."
+        )
+        self.kv_bytes_fetched = counter("kv_transfer_received_bytes", "KV bytes fetched from prefill engines.")
+        self.kv_fetch_seconds = counter("kv_transfer_fetch_seconds", "Time spent in fetches, in seconds.")
         self.model_name = model_name
         self._last = SchedulerStats()  # the totals already counted
 
@@ -131,6 +141,17 @@ class EngineMetrics:
         self.num_preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        self.kv_pinned_blocks.set(stats.kv_pinned_blocks)
+        for name in (
+            "kv_pins_served",
+            "kv_pins_expired",
+            "kv_bytes_sent",
+            "kv_fetches",
+            "kv_fetch_failures",
+            "kv_bytes_fetched",
+            "kv_fetch_seconds",
+        ):
+            getattr(self, name).inc(getattr(stats, name) - getattr(self._last, name))
         self._last = stats
 
     def observe_step(self, stats: StepStats, now: float) -> None:

@@ -29,6 +29,8 @@ class RequestOutput:
     # speculative decoding, summed over its choices: drafts checked, and of those accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # a finished prefill hop's answer: where a decode engine fetches the prompt's KV (engine/kv_transfer/params.py)
+    kv_transfer_params: dict | None = None
 
     @property
     def usage(self) -> dict:
@@ -46,10 +48,11 @@ class RequestOutput:
         return usage
 
     def take_counts(self, later: RequestOutput) -> None:
-        """The request's counts as `later` (a newer output of it) states them."""
+        """The request's counts (and a prefill hop's answer) as `later`, a newer output of it, states them."""
         self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
         self.num_draft_tokens, self.num_accepted_tokens = later.num_draft_tokens, later.num_accepted_tokens
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later output of the same request into this one: the tokens and text so far, the latest counts."""

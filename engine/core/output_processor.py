@@ -167,11 +167,12 @@ class OutputProcessor:
     def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
         state = self.requests[seq.group_id]
         wants = seq.params.logprobs is not None
+        finished = not state.texts
         return RequestOutput(
             seq.group_id,
             new_token_ids,
             new_text,
-            not state.texts,
+            finished,
             seq.finish_reason,
             seq.num_prompt_tokens,
             sum(s.num_output_tokens for s in state.choices),
@@ -182,4 +183,5 @@ class OutputProcessor:
             prompt_logprobs=seq.prompt_logprobs if seq.prompt_logprobs and seq.num_output_tokens == 1 else None,
             num_draft_tokens=sum(s.num_draft_tokens for s in state.choices),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in state.choices),
+            kv_transfer_params=state.choices[0].kv_transfer_params if finished else None,
         )

@@ -114,6 +114,20 @@ class BlockManager:
         self._register_full_blocks(seq, total)
         return True
 
+    def allocate_for_transfer(self, seq: Sequence, cached_prefix: list[int], num_tokens: int) -> bool:
+        """Take a fresh sequence's cached prefix, and blocks to cover `num_tokens` tokens past it whose K/V another
+        engine sends. Those are left out of the prefix cache until their K/V has arrived (the next allocate_slots
+        registers them). False if out of blocks, with nothing changed."""
+        assert not seq.block_table, "a transfer fills a fresh sequence"
+        num_new_blocks = self.blocks_needed(num_tokens) - len(cached_prefix)
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        if max(num_new_blocks, 0) + revived > self.num_free_blocks:
+            return False
+        assert self.allocate_slots(seq, 0, cached_prefix)  # just checked: the prefix fits
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return True
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]

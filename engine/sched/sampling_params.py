@@ -26,6 +26,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured: dict | None = None  # an OpenAI response_format (json_object / json_schema) the output must follow
     speculative: bool = True  # False: this request never speculates, whatever the engine's setting
+    # disaggregated prefill (engine/kv_transfer/params.py): {"do_remote_decode": true} on a prefill hop, the
+    # producer's answer on the decode hop
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokenweir.engine.sched.block_manager import BlockManager
@@ -68,19 +68,25 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # disaggregated prefill: a producer pins its finished prefill hops' blocks (`pin` keeps them, set by the
+        # engine); a consumer's decode hops wait in `fetching` while their prompt's KV arrives (`new_fetches`: those
+        # this schedule set blocks aside for)
+        self.pin: Callable[[Sequence], object] | None = None
+        self.fetching: list[Sequence] = []
+        self.new_fetches: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fetching)
 
     def make_stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.fetching),
             kv_cache_usage=bm.usage,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
@@ -91,14 +97,40 @@ class Scheduler:
         )
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence for good and free its blocks at once."""
+        """Remove a sequence for good and free its blocks at once, except where they are still needed: a prefill hop
+        that computed its prompt keeps them pinned for a decode engine, and a sequence whose KV is being fetched
+        frees them once the fetch has stopped writing into them (`fetched`)."""
+        fetching = seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if fetching:
+            pass
+        elif self.pin is not None and seq.remote_decode and reason in ("stop", "length"):
+            self.pin(seq)
+        else:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def fetched(self, seq: Sequence, ok: bool) -> None:
+        """A fetch of `seq`'s prompt KV ended. With its blocks filled, it runs from the prompt's last token (computed
+        here, for the first token's logits); a failed fetch gives the blocks back and the prompt is computed here
+        from the start, keeping its place in the queue. A sequence that finished meanwhile (aborted) frees them."""
+        self.fetching.remove(seq)
+        seq.num_remote_tokens = None
+        if seq.is_finished:
+            self.block_manager.free(seq)
+        elif ok:
+            seq.num_computed_tokens = seq.num_prompt_tokens - 1
+            seq.status = SequenceStatus.RUNNING
+            self.block_manager.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
+            self.running.append(seq)
+        else:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            self.add(seq)  # its first scheduling is still to come: that one counts its prefix-cache query
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -135,10 +167,19 @@ class Scheduler:
         out_of_memory = bool(out.preempted)
 
         # New work only when running sequences fit: admitting while evicting them would thrash.
-        while self.waiting and budget > 0 and not out_of_memory and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and not out_of_memory
+            and len(self.running) + len(self.fetching) < self.max_num_seqs
+        ):
             seq = next((s for s in self.waiting if not s.is_held), None)
             if seq is None:
                 break
+            if seq.num_remote_tokens is not None:
+                if not self._start_fetch(seq):
+                    break
+                continue
             # Prompt logprobs need logits at every prompt position: such a request computes its whole prompt.
             cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
@@ -230,6 +271,27 @@ class Scheduler:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
         return seq.is_finished
+
+    def _start_fetch(self, seq: Sequence) -> bool:
+        """Set blocks aside for a decode hop's prompt KV (all but the last token's: that one is computed here) past
+        what this engine's prefix cache already holds, and move it to `fetching`. With nothing left to fetch it turns
+        into an ordinary prompt. False if out of blocks."""
+        assert seq.num_remote_tokens is not None
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq)
+        num_remote = min(seq.num_prompt_tokens, seq.num_remote_tokens) - 1
+        if bm.blocks_needed(num_remote) <= len(cached) or num_remote < seq.num_prompt_tokens - 1:
+            seq.num_remote_tokens = None  # the prefix cache covers it, or the producer holds a different prompt
+            return True
+        if not bm.allocate_for_transfer(seq, cached, num_remote):
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * bm.block_size
+        seq.first_scheduled_time = time.monotonic()
+        self.fetching.append(seq)
+        self.new_fetches.append(seq)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.draft_token_ids = []

@@ -28,6 +28,7 @@ class TokenLogprob:
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    WAITING_FOR_REMOTE_KVS = auto()  # its prompt's KV is being fetched from a producer engine
     RUNNING = auto()
     FINISHED = auto()
 
@@ -67,6 +68,11 @@ class Sequence:
         # per prompt token, if asked: the first has none; the model runner appends the rest as it computes them
         self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
         self.matcher: Matcher | None = None  # structured output: the grammar state masking its next token
+        # disaggregated prefill: a prefill hop's sequence keeps its blocks for a decode engine when it finishes
+        # (`kv_transfer_params` says where to fetch them); a decode hop's fetches its prompt's KV before it computes
+        self.remote_decode = False
+        self.kv_transfer_params: dict | None = None  # a finished prefill hop's answer
+        self.num_remote_tokens: int | None = None  # a decode hop's: prompt tokens a producer holds, to fetch
         # speculative decoding: tokens proposed to follow token_ids, checked by the model in this step (never part of
         # token_ids, the block hashes or the prefix cache until accepted)
         self.draft_token_ids: list[int] = []

@@ -25,6 +25,15 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up, once per request (at its first scheduling)
     prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    # disaggregated prefill: what a producer pins and serves, what a consumer fetches (LLMEngine.make_stats)
+    kv_pinned_blocks: int = 0
+    kv_pins_served: int = 0
+    kv_pins_expired: int = 0
+    kv_bytes_sent: int = 0
+    kv_fetches: int = 0
+    kv_fetch_failures: int = 0
+    kv_bytes_fetched: int = 0
+    kv_fetch_seconds: float = 0.0
 
 
 @dataclass

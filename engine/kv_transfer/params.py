@@ -1,0 +1,62 @@
+"""A request's `kv_transfer_params`, with vLLM's keys. The prefill hop asks `{"do_remote_decode": true}` (with
+max_tokens 1); the producer's output answers `{"do_remote_prefill": true, "remote_host", "remote_port",
+"remote_engine_id", "transfer_id", "num_tokens"}`; the router passes that answer, as it is, to the decode hop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    """The prefill hop: compute the prompt, keep its KV for a decode engine."""
+    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    """The decode hop: fetch the prompt's KV from the producer named in the params."""
+    return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a consumer fetches a prompt's KV blocks: the producer's address, the transfer, and how many prompt tokens
+    its blocks hold."""
+
+    host: str
+    port: int
+    engine_id: str
+    transfer_id: str
+    num_tokens: int
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemotePrefill:
+        """From a decode hop's kv_transfer_params; a ValueError names the missing or bad key."""
+        wanted: dict[str, type] = {"remote_host": str, "remote_port": int, "remote_engine_id": str}
+        wanted |= {"transfer_id": str, "num_tokens": int}
+        for key, kind in wanted.items():
+            value = params.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params.{key}: a {kind.__name__} from the prefill hop's answer")
+        if not 0 < params["remote_port"] < 65536 or params["num_tokens"] < 1:
+            raise ValueError("kv_transfer_params: remote_port must be 1-65535 and num_tokens at least 1")
+        return cls(
+            params["remote_host"],
+            params["remote_port"],
+            params["remote_engine_id"],
+            params["transfer_id"],
+            params["num_tokens"],
+        )
+
+
+def producer_answer(host: str, port: int, engine_id: str, transfer_id: str, num_tokens: int) -> dict[str, Any]:
+    """What a finished prefill hop returns, for the decode hop."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_engine_id": engine_id,
+        "transfer_id": transfer_id,
+        "num_tokens": num_tokens,
+    }
