@@ -149,6 +149,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # off: a prompt is computed in one step, never cut into chunks
+    long_prefill_token_threshold: int = 0  # a prompt's chunk at most this many tokens a step; 0: the step's budget
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
@@ -157,6 +158,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
+        assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold: 0 (off) or more"
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             assert value is None or value >= 1, f"{name}: at least 1, got {value}"

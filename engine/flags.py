@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(off: a prompt is one step, and --max-num-batched-tokens must cover --max-model-len)",
     )
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="with chunked prefill, a prompt computes at most this many tokens a step, so short prompts arriving "
+        "behind a long one start at once (0: a prompt may take the whole --max-num-batched-tokens)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=parse_speculative,
         default=None,
@@ -231,6 +238,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         speculative=args.speculative_config,
         kv_transfer=args.kv_transfer_config,
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,

@@ -153,7 +153,10 @@ def structured_workloads(rng: random.Random, on: bool) -> list[Workload]:
     return [Workload("extraction", extraction), Workload("open chat as JSON", open_chat)]
 
 
-async def send(client: httpx.AsyncClient, url: str, request: Request) -> Result:
+async def send(
+    client: httpx.AsyncClient, url: str, request: Request, extra: dict | None = None, start: float | None = None
+) -> Result:
+    """Stream one request; `extra` joins the body, `start` (perf_counter) is when its TTFT began (a hop earlier)."""
     body: dict = {
         "model": "default",
         "messages": request.messages,
@@ -164,7 +167,8 @@ async def send(client: httpx.AsyncClient, url: str, request: Request) -> Result:
     }
     if request.response_format is not None:
         body["response_format"] = request.response_format
-    start = time.perf_counter()
+    body |= extra or {}
+    start = time.perf_counter() if start is None else start
     first = last = None
     tokens = 0
     text: list[str] = []

@@ -78,6 +78,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.stop_token_ids,
             chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative is not None and config.speculative.method == "draft_model":
@@ -140,7 +141,8 @@ class LLMEngine:
     def levers(self) -> str:
         """Each serving lever's setting, as the start-up log states it."""
         config, spec = self.config, self.config.speculative
-        chunked = f"on (chunks of {config.max_num_batched_tokens})" if config.enable_chunked_prefill else "off"
+        chunk = min(config.long_prefill_token_threshold or config.max_num_batched_tokens, config.max_num_batched_tokens)
+        chunked = f"on (chunks of {chunk})" if config.enable_chunked_prefill else "off"
         return (
             f"prefix_caching={'on' if config.enable_prefix_caching else 'off'}, chunked_prefill={chunked}, "
             f"speculative={spec.describe() if spec is not None else 'off'}, structured_outputs=per request, "

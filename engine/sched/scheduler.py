@@ -58,9 +58,13 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.chunked_prefill = chunked_prefill
+        # a prompt's chunk is at most this many tokens a step (0: the whole budget), so a long prompt leaves room for
+        # the short ones behind it instead of holding every step's budget until it is done (vLLM's knob)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -147,7 +151,7 @@ class Scheduler:
                 seq.draft_token_ids = []
                 kept.append(seq)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, self._chunk_limit(seq, budget))
             # a decode's drafts, as many as the budget leaves room for, and only while blocks are to be had
             drafts = seq.draft_token_ids[: budget - 1] if seq.num_tokens - seq.num_computed_tokens == 1 else []
             while not self.block_manager.allocate_slots(seq, num_new, num_lookahead_tokens=len(drafts)):
@@ -183,7 +187,7 @@ class Scheduler:
             # Prompt logprobs need logits at every prompt position: such a request computes its whole prompt.
             cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, self._chunk_limit(seq, budget))
             if not self.chunked_prefill and num_new < seq.num_tokens - num_cached:
                 break  # its whole prompt waits for a step with room for all of it
             if not self.block_manager.allocate_slots(seq, num_new, cached):
@@ -271,6 +275,12 @@ class Scheduler:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
         return seq.is_finished
+
+    def _chunk_limit(self, seq: Sequence, budget: int) -> int:
+        """The most tokens `seq` may compute this step."""
+        if seq.is_prefilling and self.chunked_prefill and self.long_prefill_token_threshold:
+            return min(budget, self.long_prefill_token_threshold)
+        return budget
 
     def _start_fetch(self, seq: Sequence) -> bool:
         """Set blocks aside for a decode hop's prompt KV (all but the last token's: that one is computed here) past

@@ -186,7 +186,7 @@ get_logger("tokenweir.gateway").info("from structlog", n=1)
     assert ready["logger"] == "tokenweir.engine" and ready["level"] == "info" and "timestamp" in ready
     assert by_event["levers"]["event"] == (
         "levers: prefix_caching=on, chunked_prefill=on (chunks of 1024), speculative=off, "
-        "structured_outputs=per request"
+        "structured_outputs=per request, kv_transfer=off"
     )
     assert by_event["Application startup complete."]["logger"] == "uvicorn.error"
     assert "ZeroDivisionError" in by_event["engine step loop died"]["exception"]

@@ -121,6 +121,23 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
     assert batch.decodes == [first] and batch.prefills == [(second, 10)]
 
 
+def test_a_long_prompt_over_the_threshold_leaves_room_for_a_short_one_behind_it():
+    scheduler = make_scheduler(num_blocks=32)
+    long = Sequence("long", list(range(10, 110)), SamplingParams(max_tokens=4))  # 100 tokens
+    scheduler.add(long)
+    assert scheduler.schedule().prefills == [(long, 64)]  # no threshold: the whole budget
+    scheduler = make_scheduler(num_blocks=32)
+    scheduler.long_prefill_token_threshold = 16
+    scheduler.add(long := Sequence("long", list(range(10, 110)), SamplingParams(max_tokens=4)))
+    batch = scheduler.schedule()
+    assert batch.prefills == [(long, 16)]
+    scheduler.update(batch, {})
+    short = Sequence("short", list(range(200, 206)), SamplingParams(max_tokens=4))
+    scheduler.add(short)
+    batch = scheduler.schedule()  # the long one's next chunk, and the short one's whole prompt beside it
+    assert batch.prefills == [(long, 16), (short, 6)]
+
+
 def test_drafts_are_checked_accepted_ones_kept_refused_ones_given_back():
     scheduler = make_scheduler(num_blocks=16, block_size=4)
     bm = scheduler.block_manager
