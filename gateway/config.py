@@ -59,8 +59,17 @@ class UpstreamConfig:
     api_key_env: str | None = None
     model: str | None = None  # the upstream's own model name, if it differs from the pool's public name
     engine: bool = True  # ours: poll /load, ask for continuous usage, POST /abort on cancel
+    # Disaggregated prefill (our engines): a "prefill" member computes prompts (an engine with --kv-transfer-config
+    # kv_producer), a "decode" member fetches their KV and streams (kv_consumer); "both", an ordinary member. A pool
+    # with prefill members sends each chat or completion to one of them first, then to a decode member.
+    role: str = "both"
 
     def __post_init__(self) -> None:
+        who = f"upstream {self.name or self.base_url}"
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"{who}: role is both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and not self.engine:
+            raise ValueError(f"{who}: only our engines take the prefill and decode roles")
         # With or without the /v1 suffix: the gateway appends /v1/... paths itself.
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1").rstrip("/")
 
@@ -101,12 +110,18 @@ class PoolConfig:
     # Whether the pool serves /v1/embeddings. None: yes for a pool of external members only (our engine has none).
     embeddings: bool | None = None
 
+    @property
+    def disaggregated(self) -> bool:
+        return any(u.role == "prefill" for u in self.upstreams)
+
     def __post_init__(self) -> None:
         for i, upstream in enumerate(self.upstreams):
             upstream.name = upstream.name or f"{self.model}-{i}"
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"pool {self.model}: upstream names must differ within a pool, got {names}")
+        if self.disaggregated and all(u.role == "prefill" for u in self.upstreams):
+            raise ValueError(f"pool {self.model}: prefill members need a decode (or both) member to stream from")
         try:
             self.route_params()
         except ValueError as e:
@@ -215,16 +230,27 @@ class BundledEngineConfig:
     restart_stable_s: float = 30.0  # a replica that ran this long starts over from restart_backoff_s
     # The bundled pool's route strategy (PoolConfig.route): prefix, least_loaded or round_robin; None: prefix.
     route: str | None = None
+    # Disaggregated prefill (`serve --prefill-engines M`): the first M replicas compute prompts (kv_producer, the
+    # pool's prefill members), the others fetch their KV and decode (kv_consumer). 0: every replica does both.
+    prefill_replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or (self.num_threads is not None and self.num_threads < 1):
             raise ValueError("engine: replicas >= 1 and num_threads >= 1")
+        if not 0 <= self.prefill_replicas < self.replicas and self.prefill_replicas:
+            raise ValueError("engine: prefill_replicas leaves at least one of the replicas to decode")
         if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
             raise ValueError(f"engine.route: expected prefix, least_loaded or round_robin, got {self.route!r}")
         if not 0 < self.restart_backoff_s <= self.restart_max_backoff_s:
             raise ValueError("engine: 0 < restart_backoff_s <= restart_max_backoff_s")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("engine: 0 < gpu_memory_utilization <= 1")
+
+    def role(self, index: int) -> str:
+        """The pool role of replica `index`."""
+        if not self.prefill_replicas:
+            return "both"
+        return "prefill" if index < self.prefill_replicas else "decode"
 
 
 @dataclass

@@ -215,7 +215,8 @@ class LLMEngine:
                 seq.remote_decode = wants_remote_decode(params.kv_transfer_params)
                 if wants_remote_prefill(params.kv_transfer_params):
                     remote = RemotePrefill.parse(params.kv_transfer_params)
-                    seq.num_remote_tokens = remote.num_tokens
+                    # prompt logprobs need every prompt position computed here: the producer's pin is let go
+                    seq.num_remote_tokens = remote.num_tokens if params.prompt_logprobs is None else None
                     self._remote[seq_id] = (seq, remote)
             self.output_processor.add_choice(seq)
             self.scheduler.add(seq)

@@ -65,6 +65,10 @@ FIELDS = (
     # share of them it kept; null where it reported none
     "draft_tokens",
     "draft_acceptance",
+    # disaggregated prefill: the prefill member that computed the prompt (its KV fetched by `instance`), and its
+    # hop's milliseconds (inside ttft_ms); null where the request took one hop
+    "prefill_instance",
+    "prefill_ms",
     "seq",
 )
 

@@ -122,6 +122,22 @@ class Metrics:
             registry=r,
         )
 
+        # Disaggregated pools: the prefill hop's time by member, and the requests whose prefill hop failed (their
+        # decode member computed the prompt)
+        self.prefill_time = Histogram(
+            p + "prefill_hop_seconds",
+            "A disaggregated pool's prefill hop (its member computing the prompt), by member",
+            ["model", "upstream"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            p + "prefill_fallbacks",
+            "Requests of a disaggregated pool whose prefill hop failed: the decode member computed the prompt",
+            ["model"],
+            registry=r,
+        )
+
         # Routing (policies/routing.py): each decision by its reason, and the prefix blocks the pick was expected
         # to hold (0 for a miss) under the prefix strategy. `pool` is the requested model.
         self.routing_decisions = Counter(

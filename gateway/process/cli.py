@@ -61,6 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         f"of engine.kv_cache_memory (default: {d.engine.replicas})",
     )
     serve.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=None,
+        metavar="M",
+        help="disaggregated prefill: the first M of the --engines N compute prompts and hand their KV to the "
+        f"others, which decode; every chat and completion takes both hops (default: {d.engine.prefill_replicas})",
+    )
+    serve.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -91,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.engines < 1:
             parser.error("--engines: at least 1")
         config.engine.replicas = args.engines
+    if args.prefill_engines is not None:
+        if not 0 <= args.prefill_engines < config.engine.replicas:
+            parser.error("--prefill-engines: from 0 to --engines - 1 (at least one engine decodes)")
+        config.engine.prefill_replicas = args.prefill_engines
     if args.workers is not None:
         if args.workers < 1:
             parser.error("--workers: at least 1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -37,9 +38,10 @@ def model_path_of(ec: BundledEngineConfig) -> str:
         sys.exit(f"tokenweir: {e} (or pass --model, or --no-engine with pools of your own)")
 
 
-def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]:
+def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int, index: int = 0) -> list[str]:
     """The engine child's command line; engine.num_threads and engine.kv_cache_memory shared out between the
-    replicas (with replicas > 1 the threads default to the CPUs split evenly); extra_args last, so they win."""
+    replicas (with replicas > 1 the threads default to the CPUs split evenly), the KV transfer role of replica
+    `index` in a disaggregated pool; extra_args last, so they win."""
     n = ec.replicas
     cmd = [sys.executable, "-m", "tokenweir.engine.server", "--port", str(port), "--served-model-name", ec.model_name]
     cmd += ["--log-level", "warning"]  # its access log would print every /load poll
@@ -57,6 +59,10 @@ def engine_cmd(ec: BundledEngineConfig, model_path: str, port: int) -> list[str]
     if n > 1 or ec.gpu_memory_utilization is not None:  # each engine reads it as its own share of the GPU
         share = ec.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         cmd += ["--gpu-memory-utilization", f"{share / n:.4f}"]
+    role = ec.role(index)
+    if role != "both":
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        cmd += ["--kv-transfer-config", json.dumps({"kv_role": kv_role})]
     return cmd + ec.extra_args
 
 
@@ -166,7 +172,7 @@ class EngineReplicas:
         base = consecutive_free_ports(ec.replicas, start=ec.port)
         self.key = engine_key(ec)
         self.supervisor = Supervisor(
-            lambda index, port: engine_cmd(ec, self.model_path, port),
+            lambda index, port: engine_cmd(ec, self.model_path, port, index),
             ec.replicas,
             base,
             backoff_s=ec.restart_backoff_s,
@@ -222,7 +228,10 @@ class EngineReplicas:
                 auth = {"authorization": f"Bearer {self.key}"}
                 models = (await client.get(self.url(children[0].port) + "/v1/models", headers=auth, timeout=5.0)).json()
                 upstreams = [
-                    UpstreamConfig(self.url(c.port), name=self.name(c.index), api_key=self.key) for c in children
+                    UpstreamConfig(
+                        self.url(c.port), name=self.name(c.index), api_key=self.key, role=self.ec.role(c.index)
+                    )
+                    for c in children
                 ]
                 self.config.pools.insert(0, _bundled_pool(self.ec, self.model_path, upstreams, models))
 

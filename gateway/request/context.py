@@ -97,6 +97,9 @@ class RequestRecord:
     # speculative decoding, as the upstream's usage reported it (completion_tokens_details): drafts checked, accepted
     draft_tokens: int | None = None
     accepted_draft_tokens: int | None = None
+    # disaggregated prefill: the prefill member whose KV the decode hop fetched, and how long its hop took
+    prefill_instance: str | None = None
+    prefill_s: float | None = None
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -133,6 +136,11 @@ class RequestContext(RequestRecord):
     slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
     slot_lease: str | None = None  # that slot's lease id in a shared state: released by id (request/inflight.py)
     cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
+    # disaggregated prefill: the prefill members to try before the decode hop (route), the answer that names the
+    # prompt's KV (the decode hop's kv_transfer_params), and the loop time its TTFT clock started
+    prefill_hops: list[Hop] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
+    ttft_clock: float | None = None
 
     @classmethod
     def admitted(cls, request_id: str, principal: Principal, body: dict, kind: InferenceKind) -> RequestContext:

@@ -51,6 +51,8 @@ class Dispatcher:
         hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
+        elif pool.cfg.disaggregated:
+            ctx.prefill_hops, _ = self.upstreams.prefill_route(ctx.model, token_ids)
         ctx.route_reason = why.as_dict()
         self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()
         if why.reason.startswith("prefix_"):  # the prompt's hashes were looked up (not a fallback to load)
@@ -61,6 +63,8 @@ class Dispatcher:
         """The answer of the first hop that gives one. A stream's response carries the request's `end` (its body
         settles the request); any other answer, or an exception, leaves the end to the handler."""
         hops, hashes = self.route(ctx)
+        if ctx.prefill_hops:
+            await self.prefill(ctx, hashes)
         last = "every instance's circuit is open"
         for hop in hops:
             ctx.route.append(hop.label)
@@ -106,6 +110,46 @@ class Dispatcher:
             headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
         )
 
+    async def prefill(self, ctx: RequestContext, hashes: list[int]) -> None:
+        """A disaggregated pool: the prompt computed on a prefill member (max_tokens 1, its KV kept there for the
+        decode member, which fetches it), under the request's TTFT clock, which goes on running through the decode
+        hop. Its answer's kv_transfer_params go with the decode hop. A prefill member that fails, refuses or is
+        late leaves the prompt to the decode member (as a colocated hop). The hop's own token is not the client's:
+        the engines count it, the bill does not (the event names the prefill member)."""
+        loop = asyncio.get_running_loop()
+        ttft, total = self.timeouts(ctx)
+        ctx.ttft_clock = loop.time()
+        deadline = min(ctx.ttft_clock + ttft, ctx.deadline_base + total)
+        body = {**self.upstream_body(ctx, ctx.prefill_hops[0]), "max_tokens": 1, "n": 1, "stream": False}
+        body["kv_transfer_params"] = {"do_remote_decode": True}
+        for key in ("max_completion_tokens", "stream_options", "best_of"):
+            body.pop(key, None)
+        for hop in ctx.prefill_hops:
+            started, failed = time.perf_counter(), False
+            upstream_id = "tw-" + random_hex()
+            hop.instance.take(time.monotonic())
+            try:
+                answer, _ = await relay.call_json(self.client, hop, KIND_PATHS[ctx.kind], body, upstream_id, deadline)
+            except (relay.UpstreamFailed, TimeoutError) as e:
+                failed = True
+                ctx.upstream_error = f"prefill {hop.where}: {e or 'timed out'}"
+                if loop.time() >= deadline:
+                    break
+                continue
+            except relay.UpstreamRejected:
+                return  # the request itself is refused: the decode hop answers the client why
+            finally:
+                hop.instance.done(not failed, time.monotonic())
+            params = answer.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_prefill"):
+                ctx.kv_transfer_params, ctx.prefill_instance = params, hop.label
+                ctx.prefill_s = time.perf_counter() - started
+                self.metrics.prefill_time.labels(ctx.model, hop.instance.name).observe(ctx.prefill_s)
+                self.upstreams.record(hop, hashes)
+                return
+            break  # a member that keeps no KV (not a kv_producer): the decode member computes the prompt
+        self.metrics.prefill_fallbacks.labels(ctx.model).inc()
+
     def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
         pool, t = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
         ttft = _tightest(ctx.limits.ttft_timeout_s, pool.ttft_timeout_s) or t.ttft_s
@@ -122,7 +166,10 @@ class Dispatcher:
 
     def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
-            return {**ctx.body, "priority": ctx.priority}
+            body = {**ctx.body, "priority": ctx.priority}
+            if ctx.kv_transfer_params is not None and hop.instance.cfg.role == "decode" and not hop.fallback:
+                body["kv_transfer_params"] = ctx.kv_transfer_params  # where the prefill member keeps the prompt's KV
+            return body
         return ctx.body
 
     async def call(self, ctx: RequestContext, hop: Hop) -> Response:
@@ -141,7 +188,7 @@ class Dispatcher:
             ctx.upstream_end = time.perf_counter()
         ctx.incomplete = False
         assert ctx.dispatched_at is not None  # dispatch set it for this hop
-        ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at
+        ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at + (ctx.prefill_s or 0.0)
         ctx.usage = obj.get("usage")
         if not ctx.usage:
             ctx.usage, ctx.usage_source = self.estimated_usage(ctx, obj), "estimate_text"
@@ -159,7 +206,7 @@ class Dispatcher:
     async def open_stream(self, ctx: RequestContext, hop: Hop, end: RequestEnd) -> Response:
         loop = asyncio.get_running_loop()
         ttft, total = self.timeouts(ctx)
-        first_deadline = min(loop.time() + ttft, ctx.deadline_base + total)
+        first_deadline = min((ctx.ttft_clock or loop.time()) + ttft, ctx.deadline_base + total)
         ctx.incomplete = hop.instance.cfg.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
         chunks = ChunkFilter(
@@ -195,7 +242,7 @@ class Dispatcher:
         except HTTPError as e:
             raise relay.failed(hop, "connection failed", e) from e
         assert ctx.dispatched_at is not None  # dispatch set it for this hop
-        ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at
+        ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at + (ctx.prefill_s or 0.0)
         deadline = ctx.deadline_base + total
 
         async def pump(send: Send) -> bool:

@@ -335,6 +335,8 @@ class Settler:
             "user": ctx.user,
             "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
         }
+        if ctx.prefill_instance is not None:
+            event["prefill_instance"], event["prefill_ms"] = ctx.prefill_instance, _ms(ctx.prefill_s)
         if ctx.draft_tokens and ctx.accepted_draft_tokens is not None:
             event["draft_tokens"] = ctx.draft_tokens
             event["draft_acceptance"] = round(ctx.accepted_draft_tokens / ctx.draft_tokens, 4)

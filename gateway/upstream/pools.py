@@ -163,9 +163,14 @@ class Pool:
         known = [i.max_model_len for i in self.instances if i.max_model_len is not None]
         return min(known) if known else None
 
+    @property
+    def serving(self) -> list[Instance]:
+        """The members a request's answer may come from: all but prefill members."""
+        return [i for i in self.instances if i.cfg.role != "prefill"]
+
     def ranked(self, now: float) -> list[Instance]:
         """Least loaded first (a fallback pool's hops)."""
-        return sorted((i for i in self.instances if i.available(now)), key=Instance.score)
+        return sorted((i for i in self.serving if i.available(now)), key=Instance.score)
 
     def block_size(self) -> int | None:
         """The engines' prefix-cache block size, from /load, when they agree and hash as we do; else None."""
@@ -180,9 +185,12 @@ class Pool:
             sizes.add(bs)
         return sizes.pop() if len(sizes) == 1 else None
 
-    def route(self, now: float, token_ids: list[int] | None) -> tuple[list[Instance], routing.RouteReason, list[int]]:
-        """The pool's instances in the order to try them, why the first, and the prompt's block hashes (empty when
-        the decision did not use them)."""
+    def route(
+        self, now: float, token_ids: list[int] | None, prefill: bool = False
+    ) -> tuple[list[Instance], routing.RouteReason, list[int]]:
+        """The pool's instances in the order to try them (its prefill members with `prefill`, else the others), why
+        the first, and the prompt's block hashes (empty when the decision did not use them)."""
+        members = [i for i in self.instances if (i.cfg.role == "prefill") == prefill]
         strategy, hashes, hits = self.cfg.strategy, [], {}
         block_size = self.block_size() if strategy == "prefix" and token_ids else None
         if block_size is not None:
@@ -190,11 +198,11 @@ class Pool:
             # the engine looks up at most (n - 1) // block_size blocks (the last token is always computed)
             hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
             hits = self.index.match(hashes)
-        cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in self.instances]
+        cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in members]
         names, why = routing.rank(cands, self.cfg.route_params(block_size or 16), hashes or None, self.turn)
         if strategy == "round_robin":
             self.turn += 1
-        by_name = {i.name: i for i in self.instances}
+        by_name = {i.name: i for i in members}
         return [by_name[n] for n in names], why, hashes
 
 
@@ -262,6 +270,12 @@ class Upstreams:
         for fb in pool.cfg.fallbacks:
             hops += [Hop(fb, i, model) for i in self.pools[fb].ranked(now)]
         return hops, why, hashes
+
+    def prefill_route(self, model: str, token_ids: list[int] | None) -> tuple[list[Hop], list[int]]:
+        """A disaggregated pool's prefill members, in the order to try them (where the prompt's prefix is cached
+        first: that cache is the one that saves work), and the prompt's block hashes."""
+        ranked, _, hashes = self.pools[model].route(time.monotonic(), token_ids, prefill=True)
+        return [Hop(model, i, model) for i in ranked], hashes
 
     def record(self, hop: Hop, hashes: list[int]) -> None:
         """The hop's instance was sent a prompt with these block hashes: its pool's index learns it holds them

@@ -18,6 +18,7 @@ import pytest
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.core.errors import RequestError
+from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.sched.sampling_params import SamplingParams
 
@@ -67,7 +68,8 @@ def consumer() -> LLM:
 
 
 def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[list[int]]]:
-    """Every choice's tokens, per prompt; and each request's final output in `run.finals` (its kv_transfer_params)."""
+    """Every choice's tokens, per prompt; and in `run.finals` each request's first choice folded into one output
+    (its prompt logprobs, and the request's kv_transfer_params)."""
     tok = llm.engine.tokenizer
     ids = []
     for prompt, p in zip(prompts, params, strict=True):
@@ -79,12 +81,14 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list
         llm.engine.add_request(rid, tokens, p)
         ids.append(rid)
     choices: dict[str, dict[int, list[int]]] = {rid: {} for rid in ids}
-    finals = {}
+    finals = {rid: RequestOutput.empty(rid) for rid in ids}
     while llm.engine.has_unfinished_requests():
         for out in llm.engine.step():
             choices[out.request_id].setdefault(out.index, []).extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
+            if out.index == 0:
+                finals[out.request_id].add(out)
+            else:
+                finals[out.request_id].take_counts(out)
     run.finals = [finals[rid] for rid in ids]  # type: ignore[attr-defined]
     return [[c[i] for i in sorted(c)] for c in (choices[rid] for rid in ids)]
 
@@ -291,3 +295,18 @@ def test_a_hop_the_engine_does_not_take_is_refused(producer, consumer, role, kv_
     with pytest.raises(RequestError) as info:
         llm.engine.validate([1, 2, 3], greedy(kv_transfer_params=kv_transfer_params))
     assert info.value.code == code and info.value.param == "kv_transfer_params"
+
+
+def test_prompt_logprobs_are_computed_by_the_consumer_and_the_pin_let_go(producer, consumer):
+    prompts = fresh(PROMPTS[2:3], "logprobs")
+    params = greedy(prompt_logprobs=1)
+    run(producer, prompts, [params])
+    [expected] = run.finals  # type: ignore[attr-defined]
+    answers = prefill_hops(producer, prompts)
+    fetches = consumer.engine.kv_fetches
+    run(consumer, prompts, [decode_hop(params, answers[0])])
+    [got] = run.finals  # type: ignore[attr-defined]
+    assert [p and p.token_id for p in got.prompt_logprobs] == [p and p.token_id for p in expected.prompt_logprobs]
+    assert len(got.prompt_logprobs) == len(consumer.engine.tokenizer.encode(prompts[0]))
+    assert consumer.engine.kv_fetches == fetches  # every prompt position computed here
+    assert_pools_whole(producer, consumer)  # the producer's pin freed by the consumer's release, not by its timeout

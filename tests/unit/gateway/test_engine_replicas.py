@@ -181,3 +181,24 @@ async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
     assert e0.circuit == CLOSED and e0.available(0) and e0.failures == 0
     labels = {"model": "smollm2-135m", "upstream": "engine-0"}
     assert metrics.registry.get_sample_value("tokenweir_gateway_upstream_circuit_state", labels) == CLOSED
+
+
+def test_prefill_engines_take_the_producer_role_and_the_rest_decode():
+    ec = BundledEngineConfig(replicas=3, prefill_replicas=1)
+    roles = [serve_engines.engine_cmd(ec, "", 8100 + i, i) for i in range(3)]
+    kv = [orjson.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_role"] for cmd in roles]
+    assert kv == ["kv_producer", "kv_consumer", "kv_consumer"]
+    assert [ec.role(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    assert "--kv-transfer-config" not in serve_engines.engine_cmd(BundledEngineConfig(replicas=2), "", 8100, 1)
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        BundledEngineConfig(replicas=2, prefill_replicas=2)
+    with pytest.raises(ValueError, match="decode"):  # a pool of prefill members alone has no one to stream from
+        PoolConfig(model="m", upstreams=[UpstreamConfig("http://127.0.0.1:1", role="prefill")])
+    with pytest.raises(ValueError, match="our engines"):
+        UpstreamConfig("http://127.0.0.1:1", role="decode", engine=False)
+
+
+def test_prefill_engines_flag(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["tokenweir"])
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--engines", "2", "--prefill-engines", "2"])

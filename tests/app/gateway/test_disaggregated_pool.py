@@ -1,0 +1,125 @@
+"""A disaggregated pool through the gateway, on two tiny random Llamas in this process: a prefill member (engine with
+kv_producer) and a decode member (kv_consumer). A chat or completion goes to the prefill member first (max_tokens 1),
+then to the decode member with the answer's kv_transfer_params; the client gets one engine's tokens, streamed or not,
+billed once (the decode hop's usage: the prefill hop's token is the route's, not the client's), and one event naming
+both members. A prefill member that cannot be reached leaves the prompt to the decode member: same tokens, the event
+says no prefill member served it and why."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.app.engine.test_server import greedy_reference
+from tests.support.events import the_event
+from tests.support.serve_thread import ServerThread, serve_app
+from tests.support.tiny_llama import make_tiny_llama
+from tokenweir.engine.api import build_app
+from tokenweir.engine.config import EngineConfig, KVTransferConfig
+from tokenweir.engine.core.async_engine import AsyncEngine
+from tokenweir.engine.core.llm_engine import LLMEngine
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store.store import Store
+from tokenweir.policies.limits import TeamLimits
+
+PROMPT = [(11 * i + 5) % 250 + 2 for i in range(50)]
+
+
+def engine(model: str, role: str) -> LLMEngine:
+    config = EngineConfig(
+        model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", num_threads=1,
+        kv_transfer=KVTransferConfig(kv_role=role),
+    )  # fmt: skip
+    return LLMEngine(config)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("disagg-pool")
+    model = make_tiny_llama(str(tmp / "tiny"), seed=5, max_position_embeddings=512)
+    producer, consumer = engine(model, "kv_producer"), engine(model, "kv_consumer")
+    store = Store.open(f"sqlite:///{tmp}/store.db")
+    team = store.create_team("t", TeamLimits())
+    secret, _ = store.create_key(team.id, "k")
+    events = tmp / "events.jsonl"
+    with ServerThread(build_app(AsyncEngine(producer))) as pre, ServerThread(build_app(AsyncEngine(consumer))) as dec:
+        pools = [
+            PoolConfig(
+                model="tiny",
+                upstreams=[
+                    UpstreamConfig(pre.url, name="prefill", role="prefill"),
+                    UpstreamConfig(dec.url, name="decode", role="decode"),
+                ],
+            ),
+            PoolConfig(
+                model="tiny-gone",
+                upstreams=[
+                    UpstreamConfig(f"http://127.0.0.1:{closed_port()}", name="prefill", role="prefill", model="tiny"),
+                    UpstreamConfig(dec.url, name="decode", role="decode", model="tiny"),
+                ],
+            ),
+        ]
+        config = GatewayConfig(port=0, pools=pools, events=EventsConfig(path=str(events), flush_interval_s=0.05))
+        with serve_app(config, store=store) as gw:
+            yield {
+                "url": gw.url,
+                "events": events,
+                "auth": {"authorization": f"Bearer {secret}"},
+                "model": model,
+                "producer": producer,
+                "consumer": consumer,
+            }
+    store.close()
+
+
+def complete(stack, model: str, stream: bool) -> tuple[list[int], dict, str]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    body |= {"return_token_ids": True}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, headers=stack["auth"], timeout=60)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"], r.headers["x-request-id"]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    return tokens, events[-1]["usage"], r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_hops_give_one_engines_tokens_billed_once_with_one_event(stack, stream):
+    expected = greedy_reference(stack["model"], PROMPT, 20)
+    fetched = stack["consumer"].kv_fetches
+    tokens, usage, request_id = complete(stack, "tiny", stream)
+    assert tokens == expected
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 20)
+    event = the_event(stack["events"], request_id)
+    assert (event["instance"], event["prefill_instance"]) == ("tiny@decode", "tiny@prefill")
+    assert (event["prompt_tokens"], event["completion_tokens"], event["status"]) == (len(PROMPT), 20, "ok")
+    assert 0 < event["prefill_ms"] <= event["ttft_ms"]
+    assert stack["consumer"].kv_fetches == fetched + 1 and stack["consumer"].kv_fetch_failures == 0
+    deadline = time.monotonic() + 5
+    while len(stack["producer"].kv_pins) and time.monotonic() < deadline:  # freed once the fetch is confirmed
+        time.sleep(0.02)
+    assert len(stack["producer"].kv_pins) == 0
+
+
+def test_a_prefill_member_out_of_reach_leaves_the_prompt_to_the_decode_member(stack):
+    expected = greedy_reference(stack["model"], PROMPT, 20)
+    fetched = stack["consumer"].kv_fetches
+    tokens, usage, request_id = complete(stack, "tiny-gone", stream=True)
+    assert tokens == expected and usage["completion_tokens"] == 20
+    event = the_event(stack["events"], request_id)
+    assert event["status"] == "ok" and event["instance"] == "tiny-gone@decode"
+    assert event["prefill_instance"] is None and "prefill tiny-gone@prefill" in event["upstream_error"]
+    assert stack["consumer"].kv_fetches == fetched  # nothing to fetch: it computed the prompt
