@@ -28,14 +28,13 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loadtests import llama_server  # noqa: E402
-from loadtests.bench_levers import WORDS, Request, Result, chat, send  # noqa: E402
+from loadtests.bench_levers import WORDS, Request, Result, chat, engine_counters, send  # noqa: E402
 from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
 PRODUCER = json.dumps({"kv_role": "kv_producer"})
@@ -119,21 +118,12 @@ async def run(config: str, engines: list[Engine], requests: list[Request]) -> tu
     return list(results), time.perf_counter() - t0
 
 
-def transfer_counters(url: str) -> dict[str, float]:
-    names = {
-        "fetches": "tokenweir:kv_transfer_fetches_total",
-        "failures": "tokenweir:kv_transfer_fetch_failures_total",
-        "bytes": "tokenweir:kv_transfer_received_bytes_total",
-        "seconds": "tokenweir:kv_transfer_fetch_seconds_total",
-    }
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    values = dict.fromkeys(names, 0.0)
-    for line in lines:
-        for key, name in names.items():
-            if line.startswith(name + "{"):
-                values[key] += float(line.rsplit(" ", 1)[1])
-    return values
+TRANSFER_COUNTERS = {
+    "fetches": "tokenweir:kv_transfer_fetches_total",
+    "failures": "tokenweir:kv_transfer_fetch_failures_total",
+    "bytes": "tokenweir:kv_transfer_received_bytes_total",
+    "seconds": "tokenweir:kv_transfer_fetch_seconds_total",
+}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -163,9 +153,9 @@ def measure(config: str, path: str, threads: int, load: dict[str, list[Request]]
     try:
         asyncio.run(run(config, engines, [Request(chat("Hello"), 4)]))  # warm-up
         for name, requests in load.items():
-            before = transfer_counters(engines[1].url)
+            before = engine_counters(engines[1].url, TRANSFER_COUNTERS)
             results, wall = asyncio.run(run(config, engines, requests))
-            after = transfer_counters(engines[1].url)
+            after = engine_counters(engines[1].url, TRANSFER_COUNTERS)
             delta = {k: after[k] - before[k] for k in after}
             for kind in dict.fromkeys(r.kind for r in requests):
                 row = indicators(results, wall, kind)

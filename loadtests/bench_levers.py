@@ -214,15 +214,18 @@ async def run_workload(url: str, workload: Workload) -> tuple[list[Result], floa
     return list(results), time.perf_counter() - t0
 
 
-def engine_counters(url: str) -> dict[str, float]:
-    names = {
-        "queue_sum": "tokenweir:request_queue_time_seconds_sum",
-        "queue_count": "tokenweir:request_queue_time_seconds_count",
-        "hits": "tokenweir:prefix_cache_hits_total",
-        "queries": "tokenweir:prefix_cache_queries_total",
-        "drafted": "tokenweir:spec_decode_num_draft_tokens_total",
-        "accepted": "tokenweir:spec_decode_num_accepted_tokens_total",
-    }
+LEVER_COUNTERS = {
+    "queue_sum": "tokenweir:request_queue_time_seconds_sum",
+    "queue_count": "tokenweir:request_queue_time_seconds_count",
+    "hits": "tokenweir:prefix_cache_hits_total",
+    "queries": "tokenweir:prefix_cache_queries_total",
+    "drafted": "tokenweir:spec_decode_num_draft_tokens_total",
+    "accepted": "tokenweir:spec_decode_num_accepted_tokens_total",
+}
+
+
+def engine_counters(url: str, names: dict[str, str] = LEVER_COUNTERS) -> dict[str, float]:
+    """The engine's /metrics values of `names` (key -> series name), each summed over its labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         lines = r.read().decode().splitlines()
     values = dict.fromkeys(names, 0.0)
