@@ -344,7 +344,7 @@ class LLMEngine:
         for seq_id in [i for i, (seq, _) in self._remote.items() if seq.is_finished or seq.num_remote_tokens is None]:
             # ended before its fetch began, or its prefix cache holds the prompt: the producer may free its pin
             seq, remote = self._remote.pop(seq_id)
-            self.kv_fetcher.submit(KVFetch(seq, remote, prompt_digest(seq.token_ids[: seq.num_prompt_tokens]), 0, []))
+            self.kv_fetcher.submit(_fetch_of(seq, remote, 0, []))
         return freed
 
     def idle_wait_s(self) -> float:
@@ -357,8 +357,7 @@ class LLMEngine:
             assert self.kv_fetcher is not None  # validate checked the role
             _, remote = self._remote.pop(seq.request_id)
             first = seq.num_computed_tokens // self.config.block_size
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            fetch = KVFetch(seq, remote, prompt_digest(prompt), first, seq.block_table[first:])
+            fetch = _fetch_of(seq, remote, first, seq.block_table[first:])
             self._fetches[seq.request_id] = fetch
             self.kv_fetcher.submit(fetch)
         self.scheduler.new_fetches.clear()
@@ -408,6 +407,11 @@ class LLMEngine:
                 if self.draft_budget is not None:
                     self.draft_budget.record(seq, len(drafts), accepted)
         return stats
+
+
+def _fetch_of(seq: Sequence, remote: RemotePrefill, first_block: int, block_ids: list[int]) -> KVFetch:
+    """A fetch of `seq`'s prompt KV from `remote` into `block_ids` (none: only let the producer's pin go)."""
+    return KVFetch(seq, remote, prompt_digest(seq.token_ids[: seq.num_prompt_tokens]), first_block, block_ids)
 
 
 def _may_speculate(seq: Sequence) -> bool:

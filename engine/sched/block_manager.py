@@ -98,8 +98,7 @@ class BlockManager:
         total = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         assert total <= seq.num_tokens
         num_new_blocks = self.blocks_needed(total + num_lookahead_tokens) - len(seq.block_table) - len(cached_prefix)
-        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
-        if max(num_new_blocks, 0) + revived > self.num_free_blocks:
+        if not self._fits(num_new_blocks, cached_prefix):
             return False
         for block_id in cached_prefix:
             block = self.blocks[block_id]
@@ -120,13 +119,17 @@ class BlockManager:
         registers them). False if out of blocks, with nothing changed."""
         assert not seq.block_table, "a transfer fills a fresh sequence"
         num_new_blocks = self.blocks_needed(num_tokens) - len(cached_prefix)
-        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
-        if max(num_new_blocks, 0) + revived > self.num_free_blocks:
+        if not self._fits(num_new_blocks, cached_prefix):
             return False
         assert self.allocate_slots(seq, 0, cached_prefix)  # just checked: the prefix fits
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def _fits(self, num_new_blocks: int, cached_prefix: list[int]) -> bool:
+        """Whether the free list holds `num_new_blocks` fresh blocks besides the cached ones to revive."""
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        return max(num_new_blocks, 0) + revived <= self.num_free_blocks
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)

@@ -110,7 +110,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if fetching:
-            pass
+            pass  # `fetched` frees them, once the fetch has stopped writing into them
         elif self.pin is not None and seq.remote_decode and reason in ("stop", "length"):
             self.pin(seq)
         else:

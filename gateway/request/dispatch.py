@@ -51,7 +51,7 @@ class Dispatcher:
         hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
-        elif pool.cfg.disaggregated:
+        elif pool.prefill_members:
             ctx.prefill_hops, _ = self.upstreams.prefill_route(ctx.model, token_ids)
         ctx.route_reason = why.as_dict()
         self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()

@@ -139,11 +139,16 @@ class Pool:
     instances: list[Instance] = field(default_factory=list)
     index: PrefixIndex = field(init=False)
     turn: int = 0  # round robin
+    # Split once (the members are fixed): the ones an answer may come from, and a disaggregated pool's prefill members
+    serving: list[Instance] = field(init=False)
+    prefill_members: list[Instance] = field(init=False)
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.cfg.prefix_index_entries)
         for inst in self.instances:
             inst.index = self.index
+        self.serving = [i for i in self.instances if i.cfg.role != "prefill"]
+        self.prefill_members = [i for i in self.instances if i.cfg.role == "prefill"]
 
     @property
     def model(self) -> str:
@@ -162,11 +167,6 @@ class Pool:
             return self.cfg.max_context
         known = [i.max_model_len for i in self.instances if i.max_model_len is not None]
         return min(known) if known else None
-
-    @property
-    def serving(self) -> list[Instance]:
-        """The members a request's answer may come from: all but prefill members."""
-        return [i for i in self.instances if i.cfg.role != "prefill"]
 
     def ranked(self, now: float) -> list[Instance]:
         """Least loaded first (a fallback pool's hops)."""
@@ -190,7 +190,7 @@ class Pool:
     ) -> tuple[list[Instance], routing.RouteReason, list[int]]:
         """The pool's instances in the order to try them (its prefill members with `prefill`, else the others), why
         the first, and the prompt's block hashes (empty when the decision did not use them)."""
-        members = [i for i in self.instances if (i.cfg.role == "prefill") == prefill]
+        members = self.prefill_members if prefill else self.serving
         strategy, hashes, hits = self.cfg.strategy, [], {}
         block_size = self.block_size() if strategy == "prefix" and token_ids else None
         if block_size is not None:
