@@ -137,7 +137,10 @@ async def detokenize(body: DetokenizeRequest, engine: Engine) -> dict:
 async def abort(body: AbortRequest, engine: Engine) -> dict:
     out = await engine.abort(body.request_id)
     status = "unknown" if out is None else "aborted" if out.finish_reason == "abort" else "finished"
-    return {"request_id": body.request_id, "status": status, "usage": out.usage if out else None}
+    answer = {"request_id": body.request_id, "status": status, "usage": out.usage if out else None}
+    if out is not None and out.kv_transfer_params is not None:  # a decode hop's fetch, as its answer would say
+        answer["kv_transfer_params"] = out.kv_transfer_params
+    return answer
 
 
 @router.get("/health")
@@ -257,7 +260,7 @@ def whole_response(
     """A non-stream response: its rendered choices, and the usage the last output counted for the whole request."""
     usage = Usage.model_validate(outs[-1].usage)
     body = dump_response(response_type(id=response_id, model=model, choices=choices, usage=usage))
-    if outs[-1].kv_transfer_params is not None:  # a prefill hop: where its prompt's KV waits (vLLM's field)
+    if outs[-1].kv_transfer_params is not None:  # a prefill hop's: where its KV waits (vLLM's); a decode hop's fetch
         body["kv_transfer_params"] = outs[-1].kv_transfer_params
     return JSONResponse(body)
 

@@ -61,9 +61,10 @@ def stream_response(
     created = int(time.time())
     drop_usage = not (include_usage or continuous_usage)
 
-    def event(choices: list[Any], usage: Usage | None) -> str:  # chunk_type's own choices: the caller pairs them
+    def event(choices: list[Any], usage: Usage | None, extra: dict | None = None) -> str:
+        """One chunk: `choices` of chunk_type's own choice type (the caller pairs them), `extra` top-level keys."""
         chunk = chunk_type(id=response_id, created=created, model=model, choices=choices, usage=usage)
-        data = dump_response(chunk)
+        data = dump_response(chunk) | (extra or {})
         if drop_usage:
             del data["usage"]
         for delta in (c["delta"] for c in data["choices"] if "delta" in c):
@@ -90,7 +91,9 @@ def stream_response(
                 yield event([rendered], Usage.model_validate(out.usage) if continuous_usage else None)
             if include_usage:
                 assert stream.final is not None  # the stream ended without raising: on its finished output
-                yield event([], Usage.model_validate(stream.final.usage))
+                # a disaggregated hop's kv_transfer_params ride on it, as on a whole response
+                transfer = stream.final.kv_transfer_params
+                yield event([], Usage.model_validate(stream.final.usage), transfer and {"kv_transfer_params": transfer})
         except Exception as exc:  # the headers are gone: say it in the stream, as vLLM does
             yield sse(to_api_error(exc).body())
         finally:

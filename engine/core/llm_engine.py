@@ -24,7 +24,12 @@ from tokenweir.engine.core.output_processor import OutputProcessor
 from tokenweir.engine.core.request_checks import check_request
 from tokenweir.engine.kv_transfer.fetcher import KVFetch, KVFetcher
 from tokenweir.engine.kv_transfer.layout import KVLayout, prompt_digest
-from tokenweir.engine.kv_transfer.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
+from tokenweir.engine.kv_transfer.params import (
+    RemotePrefill,
+    consumer_answer,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from tokenweir.engine.kv_transfer.pins import KVPins
 from tokenweir.engine.kv_transfer.server import KVServer
 from tokenweir.engine.sched.block_manager import BlockManager
@@ -217,6 +222,7 @@ class LLMEngine:
                     remote = RemotePrefill.parse(params.kv_transfer_params)
                     # prompt logprobs need every prompt position computed here: the producer's pin is let go
                     seq.num_remote_tokens = remote.num_tokens if params.prompt_logprobs is None else None
+                    seq.kv_transfer_params = consumer_answer(remote.engine_id, 0, 0, 0.0, None)
                     self._remote[seq_id] = (seq, remote)
             self.output_processor.add_choice(seq)
             self.scheduler.add(seq)
@@ -333,11 +339,15 @@ class LLMEngine:
             self.kv_fetches += 1
             self.kv_fetched_bytes += fetch.num_bytes
             self.kv_fetch_seconds += fetch.seconds
-            if not fetch.ok and not fetch.seq.is_finished:
+            seq = fetch.seq
+            fetched = seq.num_prompt_tokens - 1 - seq.num_cached_tokens if fetch.ok else 0
+            seq.kv_transfer_params = consumer_answer(
+                fetch.remote.engine_id, fetched, fetch.num_bytes, fetch.seconds, None if fetch.ok else fetch.error
+            )
+            if not fetch.ok and not seq.is_finished:
                 self.kv_fetch_failures += 1
-                why = fetch.error
-                log.warning("request %s: KV fetch failed (%s); computing its prompt here", fetch.seq.group_id, why)
-            self.scheduler.fetched(fetch.seq, fetch.ok)
+                log.warning("request %s: KV fetch failed (%s); computing its prompt here", seq.group_id, fetch.error)
+            self.scheduler.fetched(seq, fetch.ok)
         for fetch in self._fetches.values():
             if fetch.seq.is_finished:
                 fetch.cancelled.set()

@@ -1,6 +1,7 @@
 """A request's `kv_transfer_params`, with vLLM's keys. The prefill hop asks `{"do_remote_decode": true}` (with
 max_tokens 1); the producer's output answers `{"do_remote_prefill": true, "remote_host", "remote_port",
-"remote_engine_id", "transfer_id", "num_tokens"}`; the router passes that answer, as it is, to the decode hop."""
+"remote_engine_id", "transfer_id", "num_tokens"}`; the router passes that answer, as it is, to the decode hop, whose own
+answer says what it fetched (`consumer_answer`: for the router's accounting; vLLM's decode hop answers none)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,10 @@ def producer_answer(host: str, port: int, engine_id: str, transfer_id: str, num_
         "transfer_id": transfer_id,
         "num_tokens": num_tokens,
     }
+
+
+def consumer_answer(engine_id: str, tokens: int, num_bytes: int, seconds: float, error: str | None) -> dict[str, Any]:
+    """What a decode hop returns: the prompt tokens whose KV it fetched from `engine_id` (0: its own prefix cache held
+    them, or the fetch failed and it computed them: `fetch_error` says why), the bytes and the fetch's milliseconds."""
+    answer = {"remote_engine_id": engine_id, "fetched_tokens": tokens, "fetched_bytes": num_bytes}
+    return answer | {"fetch_ms": round(seconds * 1000, 3), "fetch_error": error}

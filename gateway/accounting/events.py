@@ -69,6 +69,11 @@ FIELDS = (
     # hop's milliseconds (inside ttft_ms); null where the request took one hop
     "prefill_instance",
     "prefill_ms",
+    # and what the decode member's answer says it fetched from it: prompt tokens (0: its own prefix cache held them,
+    # or the fetch failed and it computed them), bytes, milliseconds
+    "kv_fetched_tokens",
+    "kv_fetched_bytes",
+    "kv_fetch_ms",
     "seq",
 )
 

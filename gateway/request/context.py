@@ -100,6 +100,7 @@ class RequestRecord:
     # disaggregated prefill: the prefill member whose KV the decode hop fetched, and how long its hop took
     prefill_instance: str | None = None
     prefill_s: float | None = None
+    kv_transfer: dict | None = None  # the decode hop's kv_transfer_params: the KV it fetched, bytes, milliseconds
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

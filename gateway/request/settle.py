@@ -108,6 +108,7 @@ class Settler:
                 answer = await relay.abort(self.client, hop, ctx.upstream_id)
                 if answer and answer.get("usage"):
                     ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
+                    ctx.kv_transfer = answer.get("kv_transfer_params") or ctx.kv_transfer
             if stream is not None:  # a stream read to its end is drained: its keep-alive connection goes back
                 await stream.close(drain=stream.chunks.done and not ctx.incomplete)
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
@@ -337,6 +338,11 @@ class Settler:
         }
         if ctx.prefill_instance is not None:
             event["prefill_instance"], event["prefill_ms"] = ctx.prefill_instance, _ms(ctx.prefill_s)
+            transfer = ctx.kv_transfer or (chunks.kv_transfer if chunks is not None else None)
+            if isinstance(transfer, dict):
+                for key, field in _TRANSFER_FIELDS.items():
+                    value = transfer.get(field)
+                    event[key] = value if type(value) in (int, float) else None
         if ctx.draft_tokens and ctx.accepted_draft_tokens is not None:
             event["draft_tokens"] = ctx.draft_tokens
             event["draft_acceptance"] = round(ctx.accepted_draft_tokens / ctx.draft_tokens, 4)
@@ -370,6 +376,14 @@ class Settler:
                 http_status=outcome.http_status,
             )
         return event
+
+
+# the event's names for what a decode hop's kv_transfer_params say it fetched (engine/kv_transfer/params.py)
+_TRANSFER_FIELDS = {
+    "kv_fetched_tokens": "fetched_tokens",
+    "kv_fetched_bytes": "fetched_bytes",
+    "kv_fetch_ms": "fetch_ms",
+}
 
 
 def _ms(seconds: float | None) -> float | None:

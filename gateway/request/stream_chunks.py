@@ -30,6 +30,7 @@ class ChunkFilter:
         self.client_usage, self.client_continuous = client_usage, client_continuous
         self.keep_text, self.clock = keep_text, clock
         self.usage: dict | None = None
+        self.kv_transfer: dict | None = None  # a disaggregated decode hop's account of its KV fetch (the usage chunk's)
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -61,6 +62,8 @@ class ChunkFilter:
         choices = obj.get("choices") or []
         if usage:
             self.usage = usage
+            if isinstance(transfer := obj.get("kv_transfer_params"), dict):
+                self.kv_transfer = transfer
         if choices:
             produced, kept = False, []
             for c in choices:

@@ -107,6 +107,9 @@ def test_two_hops_give_one_engines_tokens_billed_once_with_one_event(stack, stre
     assert (event["instance"], event["prefill_instance"]) == ("tiny@decode", "tiny@prefill")
     assert (event["prompt_tokens"], event["completion_tokens"], event["status"]) == (len(PROMPT), 20, "ok")
     assert 0 < event["prefill_ms"] <= event["ttft_ms"]
+    # the decode member fetched what its own prefix cache did not hold (all but the last prompt token: computed there)
+    assert event["kv_fetched_tokens"] + event["cached_tokens"] == len(PROMPT) - 1
+    assert event["kv_fetched_bytes"] > 0 and event["kv_fetch_ms"] > 0
     assert stack["consumer"].kv_fetches == fetched + 1 and stack["consumer"].kv_fetch_failures == 0
     deadline = time.monotonic() + 5
     while len(stack["producer"].kv_pins) and time.monotonic() < deadline:  # freed once the fetch is confirmed
@@ -122,4 +125,5 @@ def test_a_prefill_member_out_of_reach_leaves_the_prompt_to_the_decode_member(st
     event = the_event(stack["events"], request_id)
     assert event["status"] == "ok" and event["instance"] == "tiny-gone@decode"
     assert event["prefill_instance"] is None and "prefill tiny-gone@prefill" in event["upstream_error"]
+    assert event["kv_fetched_bytes"] is None
     assert stack["consumer"].kv_fetches == fetched  # nothing to fetch: it computed the prompt
