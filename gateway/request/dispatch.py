@@ -133,11 +133,15 @@ class Dispatcher:
             except (relay.UpstreamFailed, TimeoutError) as e:
                 failed = True
                 ctx.upstream_error = f"prefill {hop.where}: {e or 'timed out'}"
+                self.stop_prefill(hop, upstream_id)
                 if loop.time() >= deadline:
                     break
                 continue
             except relay.UpstreamRejected:
                 return  # the request itself is refused: the decode hop answers the client why
+            except asyncio.CancelledError:  # the client went away (or the server stops): the engine stops too
+                self.stop_prefill(hop, upstream_id)
+                raise
             finally:
                 hop.instance.done(not failed, time.monotonic())
             params = answer.get("kv_transfer_params")
@@ -149,6 +153,13 @@ class Dispatcher:
                 return
             break  # a member that keeps no KV (not a kv_producer): the decode member computes the prompt
         self.metrics.prefill_fallbacks.labels(ctx.model).inc()
+
+    def stop_prefill(self, hop: Hop, upstream_id: str) -> None:
+        """Abort a prefill hop the request no longer waits for, in the background (it must not delay the decode hop
+        or a cancellation): its engine stops computing the prompt and keeps no KV for it. The prefill hop's tokens
+        are the route's, never billed."""
+        if hop.instance.cfg.engine:
+            self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
     def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
         pool, t = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
@@ -190,6 +201,8 @@ class Dispatcher:
         assert ctx.dispatched_at is not None  # dispatch set it for this hop
         ctx.ttft_s = ctx.upstream_end - ctx.dispatched_at + (ctx.prefill_s or 0.0)
         ctx.usage = obj.get("usage")
+        if isinstance(transfer := obj.get("kv_transfer_params"), dict) and ctx.prefill_instance is not None:
+            ctx.kv_transfer = transfer
         if not ctx.usage:
             ctx.usage, ctx.usage_source = self.estimated_usage(ctx, obj), "estimate_text"
         choices = obj.get("choices") or [{}]

@@ -168,9 +168,10 @@ class Pool:
         known = [i.max_model_len for i in self.instances if i.max_model_len is not None]
         return min(known) if known else None
 
-    def ranked(self, now: float) -> list[Instance]:
-        """Least loaded first (a fallback pool's hops)."""
-        return sorted((i for i in self.serving if i.available(now)), key=Instance.score)
+    def ranked(self, now: float, members: list[Instance] | None = None) -> list[Instance]:
+        """Least loaded first, of `members` (default: the serving ones; a fallback pool's hops)."""
+        members = self.serving if members is None else members
+        return sorted((i for i in members if i.available(now)), key=Instance.score)
 
     def block_size(self) -> int | None:
         """The engines' prefix-cache block size, from /load, when they agree and hash as we do; else None."""
@@ -267,6 +268,9 @@ class Upstreams:
         pool = self.pools[model]
         ranked, why, hashes = pool.route(now, token_ids)
         hops = [Hop(model, i, model) for i in ranked]
+        # A disaggregated pool whose decode members all fail: its prefill members answer whole requests (the prompt
+        # likely in their cache from the prefill hop) before another pool is asked.
+        hops += [Hop(model, i, model) for i in pool.ranked(now, pool.prefill_members)]
         for fb in pool.cfg.fallbacks:
             hops += [Hop(fb, i, model) for i in self.pools[fb].ranked(now)]
         return hops, why, hashes

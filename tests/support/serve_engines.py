@@ -114,10 +114,10 @@ class EnginesStack:
 
 
 @contextmanager
-def engines_stack(work: Path, route: str) -> Iterator[EnginesStack]:
+def engines_stack(work: Path, route: str, prefill_engines: int = 0) -> Iterator[EnginesStack]:
     """`serve --engines 2` with the pool's `route` (`engine.route` in a config file), dense weights (no start-up
     int8 probe), one torch thread per engine, KV_BLOCKS per engine's pool, quick restarts and /load polls; stopped,
-    engine children included, when the block ends."""
+    engine children included, when the block ends. `prefill_engines` 1: engine 0 prefills, engine 1 decodes."""
     work.mkdir(parents=True, exist_ok=True)
     events_path = work / "events.jsonl"
     config = {
@@ -125,6 +125,8 @@ def engines_stack(work: Path, route: str) -> Iterator[EnginesStack]:
         "load_poll_interval_s": 0.25,
         "engine": {
             "route": route,
+            "replicas": 2,
+            "prefill_replicas": prefill_engines,
             "num_threads": 2,  # in all: one torch thread per engine child
             "restart_backoff_s": 0.2,
             "extra_args": ["--quantization", "none", "--num-kv-blocks", str(KV_BLOCKS)],
