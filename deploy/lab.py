@@ -4,6 +4,7 @@ Prometheus scraping all four, and a headless locust run through nginx. scripts/l
     python -m deploy.lab                       # start, run locust for 20 s, print URLs, wait for Ctrl-C
     python -m deploy.lab --locust-seconds 0    # start only
     python -m deploy.lab --exit                # start, run locust, write the dashboard picture, stop
+    python -m deploy.lab --disaggregated       # engine-1 prefills, engine-2 decodes: every chat takes both hops
 
 Redis and PostgreSQL are the machine's (127.0.0.1:6379, :5432): the lab gets a database of its own
 (tokenweir_lab_<random>, dropped at the end; TWLAB_PG names the server) and Redis db 9 (TWLAB_REDIS); TWLAB_KEEP=1
@@ -33,12 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--locust-seconds", type=int, default=20, help="0: no locust run")
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--down-upstream", action="store_true", help="add a pool member nothing listens on (faults)")
+    p.add_argument("--disaggregated", action="store_true", help="engine-1 prefills, engine-2 decodes")
     p.add_argument("--exit", action="store_true", help="stop after the locust run instead of waiting for Ctrl-C")
     p.add_argument("--picture", default=str(ROOT / "loadtests" / "results" / "lab_dashboard.png"))
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # lab.sh's trap: SIGTERM -> clean stop below
     try:
-        lab = start(down_upstream=args.down_upstream)
+        lab = start(down_upstream=args.down_upstream, disaggregated=args.disaggregated)
     except LabError as exc:
         print(f"tokenweir lab: {exc}", file=sys.stderr)
         return 2

@@ -33,10 +33,12 @@ from deploy.lab_procs import (
 SCRAPE_INTERVAL = "2s"
 
 
-def engine_cmd(port: int) -> list[str]:
-    """One engine on the bundled model, kept light (one thread each: the two share the machine)."""
+def engine_cmd(port: int, role: str | None = None) -> list[str]:
+    """One engine on the bundled model, kept light (one thread each: the two share the machine); `role` prefill or
+    decode in a disaggregated pool."""
     cmd = [sys.executable, "-m", "tokenweir.engine.server", "--host", "127.0.0.1", "--port", str(port)]
-    return cmd + [*render.ENGINE_ARGS, "--num-threads", "1", "--log-level", "warning"]
+    cmd += [*render.ENGINE_ARGS, "--num-threads", "1", "--log-level", "warning"]
+    return cmd + (render.engine_role_args(role) if role else [])
 
 
 def gateway_cmd(config_path: Path, port: int) -> list[str]:
@@ -57,12 +59,15 @@ def _ok(url: str) -> bool:
     return httpx.get(url, timeout=2).status_code == 200
 
 
-def start(*, down_upstream: bool = False, timeout_s: float = 120, tmp: Path | None = None) -> Lab:
+def start(
+    *, down_upstream: bool = False, disaggregated: bool = False, timeout_s: float = 120, tmp: Path | None = None
+) -> Lab:
     """Start everything; returns once nginx answers /health from a ready gateway and Prometheus sees all targets.
 
     down_upstream: add a pool smollm2-135m-canary whose one upstream is a port nothing listens on, falling back to
     the main pool; locust sends it a share of requests (fault injection: instance failures, an open circuit,
     fallbacks).
+    disaggregated: engine-1 prefills and engine-2 decodes (a disaggregated pool: every chat takes both hops).
     """
     missing = missing_binaries()
     if missing:
@@ -74,20 +79,21 @@ def start(*, down_upstream: bool = False, timeout_s: float = 120, tmp: Path | No
     tmp.chmod(0o755)  # nginx workers (nobody when the master is root) reach their temp dirs through it
     lab = Lab(tmp=tmp, ports=ports, db_name=create_database(), own_tmp=own, down_upstream=down_upstream)
     try:
-        _start(lab, down_upstream, timeout_s)
+        _start(lab, down_upstream, render.DISAGGREGATED_ROLES if disaggregated else None, timeout_s)
     except BaseException:
         lab.stop()
         raise
     return lab
 
 
-def _start(lab: Lab, down_upstream: bool, timeout_s: float) -> None:
+def _start(lab: Lab, down_upstream: bool, roles: tuple[str, ...] | None, timeout_s: float) -> None:
     tmp, ports = lab.tmp, lab.ports
     deadline = time.monotonic() + timeout_s
     engines = []
     engine_key = {render.ENGINE_KEY_ENV: secrets.token_urlsafe(32)}  # in the env: `ps` would show an argument
     for i in (1, 2):
-        engines.append(lab.spawn(f"engine-{i}", engine_cmd(ports[f"engine-{i}"]), env=engine_key))
+        cmd = engine_cmd(ports[f"engine-{i}"], roles[i - 1] if roles else None)
+        engines.append(lab.spawn(f"engine-{i}", cmd, env=engine_key))
     members = [(f"engine-{i}", u) for i, u in zip((1, 2), lab.engine_urls(), strict=True)]
     canary = f"http://127.0.0.1:{ports['down']}" if down_upstream else None  # nothing listens there
     env_key = "tw-" + secrets.token_urlsafe(32)
@@ -102,6 +108,7 @@ def _start(lab: Lab, down_upstream: bool, timeout_s: float) -> None:
             host="127.0.0.1",
             port=ports[f"gateway-{i}"],
             canary_url=canary,
+            roles=roles,
         )
         path = tmp / f"gateway-{i}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))

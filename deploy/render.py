@@ -10,6 +10,7 @@ files are static and used as they are by both.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,6 +30,16 @@ COMPOSE_STORE = "postgresql://tokenweir:tokenweir@postgres:5432/tokenweir"
 COMPOSE_STATE = "redis://redis:6379/0"
 
 ENGINE_ARGS = ["--served-model-name", MODEL, "--kv-cache-memory", "256MiB", "--max-num-seqs", "8"]
+# Disaggregated prefill: the first engine prefills and hands the prompt's KV to the second, which decodes.
+DISAGGREGATED_ROLES = ("prefill", "decode")
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def engine_role_args(role: str, kv_ip: str = "127.0.0.1") -> list[str]:
+    """An engine's flags for its role in a disaggregated pool: the KV server's address, as the decode engine reaches
+    it (any free port: the prefill hop's answer names it)."""
+    config = {"kv_role": KV_ROLES[role], "kv_ip": kv_ip, "kv_port": 0}
+    return ["--kv-transfer-config", json.dumps(config)]
 
 
 def gateway_config(
@@ -40,8 +51,11 @@ def gateway_config(
     host: str = "0.0.0.0",
     port: int = 8000,
     canary_url: str | None = None,
+    roles: tuple[str, ...] | None = None,
 ) -> dict:
     """The gateway's YAML config: one pool over every engine, exact token counts, shared Redis state.
+
+    roles: each engine's role in a disaggregated pool (DISAGGREGATED_ROLES), in `engines` order; None: colocated.
 
     canary_url: also a pool CANARY_MODEL on that one upstream, falling back to the main pool (the local lab points
     it at a port nothing listens on: instance failures, an open circuit and fallbacks to watch).
@@ -56,6 +70,9 @@ def gateway_config(
             "upstreams": [{"base_url": url, "name": name, "api_key_env": ENGINE_KEY_ENV} for name, url in engines],
         }
     ]
+    if roles is not None:
+        for upstream, role in zip(pools[0]["upstreams"], roles, strict=True):
+            upstream["role"] = role
     if canary_url:
         pools.append(
             {

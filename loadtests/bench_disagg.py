@@ -138,8 +138,10 @@ def indicators(results: list[Result], wall: float, kind: str) -> dict:
     return {
         "n": len(picked),
         "ttft_p50": statistics.median(ttfts) if ttfts else None,
+        "ttft_p95": pct(ttfts, 0.95),
         "ttft_p99": pct(ttfts, 0.99),
         "tpot_p50": statistics.median(tpots) if tpots else None,
+        "tpot_p95": pct(tpots, 0.95),
         "tpot_p99": pct(tpots, 0.99),
         "itl_p99": pct([g * 1000 for r in picked for g in r.gaps], 0.99),
         "tok_s": sum(r.tokens for r in results) / wall,

@@ -10,6 +10,9 @@ Lever (off / on, server flags): workload it is for; workload it is not for.
   short chats (indicators over the chats); the chats alone.
 - speculative (off / ngram k=4): copying answers (code edits, extraction, quoting), one at a time; open chat.
 - structured outputs (no response_format / json_schema): extraction prompts asking for JSON; open chat as json_object.
+- disaggregated prefill (2 colocated engines / 1 prefill + 1 decode engine, the threads split evenly between the two
+  engines either way; loadtests/bench_disagg.py's runs, over --disagg-seconds of arrivals): long documents among short
+  chats (indicators over the chats); the chats alone.
 
 Indicators per run (client side, streamed): TTFT p50/p95, TPOT p50/p95 (per request: (last chunk - first chunk) /
 (completion tokens - 1)), ITL p99 (the gaps between a stream's chunks: a decode stalled behind a prefill shows here,
@@ -297,7 +300,23 @@ def levers(seed: int) -> list[Lever]:
         ),
         Lever("speculative", [], ["--speculative-config", SPEC], speculative_workloads(), ("tpot_p50", "TPOT p50 ms")),
         Lever("structured", [], [], [], ("invalid", "invalid JSON rate")),
+        Lever("disaggregated prefill", [], [], [], ("tpot_p95", "chats' TPOT p95 ms")),
     ]
+
+
+def disaggregated_rows(path: str, threads: int, seed: int, seconds: float) -> dict:
+    """The disaggregated-prefill lever, off (two colocated engines) and on (a prefill and a decode engine), through
+    loadtests/bench_disagg.py: the short chats' indicators (the class it is for), per workload and setting."""
+    from loadtests import bench_disagg  # imports this module's request helpers: imported once this one is loaded
+
+    load = bench_disagg.workloads(random.Random(seed), seconds)
+    rows = {}
+    for setting, config in (("off", "colocated"), ("on", "disaggregated")):
+        measured = bench_disagg.measure(config, path, max(1, threads // 2), load, bench_disagg.THRESHOLD)
+        for (workload, kind), row in measured.items():
+            if kind == "chat":
+                rows[(workload, setting)] = {key: row.get(key) for key, _ in COLUMNS}
+    return rows
 
 
 def fmt(value: float | None, key: str) -> str:
@@ -370,7 +389,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--levers", nargs="*", default=["prefix", "chunked", "speculative", "structured"])
+    ap.add_argument("--levers", nargs="*", default=["prefix", "chunked", "speculative", "structured", "disaggregated"])
+    ap.add_argument("--disagg-seconds", type=float, default=40.0, help="disaggregated prefill: arrivals over this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="")
     args = ap.parse_args()
@@ -378,6 +398,10 @@ def main() -> None:
     done = []
     for lever in levers(args.seed):
         if not any(lever.name.startswith(name) for name in args.levers):
+            continue
+        if lever.name == "disaggregated prefill":
+            lever.results = disaggregated_rows(path, args.threads, args.seed, args.disagg_seconds)
+            done.append(lever)
             continue
         for setting in ("off", "on"):
             if lever.name == "structured":  # the lever is per request: one server, the requests differ

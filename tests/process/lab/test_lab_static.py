@@ -173,6 +173,8 @@ def test_dockerfile_cmds_and_rules():
 
 def test_lab_commands_use_existing_cli_flags(tmp_path):
     check_tokenweir_cmd(lab_topology.engine_cmd(8100), "deploy/lab_topology.py engine")
+    for role in render.DISAGGREGATED_ROLES:
+        check_tokenweir_cmd(lab_topology.engine_cmd(8100, role), f"deploy/lab_topology.py {role} engine")
     check_tokenweir_cmd(lab_topology.gateway_cmd(tmp_path / "g.yaml", 8000), "deploy/lab_topology.py gateway")
     # scripts/lab.sh hands its arguments to deploy.lab: the flags it documents must be deploy.lab's
     sh = (ROOT / "scripts" / "lab.sh").read_text()
@@ -200,6 +202,12 @@ def test_rendered_files_are_current_and_valid(tmp_path):
     )
     (tmp_path / "g.yaml").write_text(yaml.safe_dump(local))
     load_config(tmp_path / "g.yaml", env={render.ENGINE_KEY_ENV: "k3y"})
+    engines = [("e1", "http://127.0.0.1:1"), ("e2", "http://127.0.0.1:2")]
+    stores = {"store_url": "sqlite:///x.db", "state_url": "redis://h/0", "events_path": "/tmp/e.jsonl"}
+    disagg = render.gateway_config(engines, **stores, roles=render.DISAGGREGATED_ROLES)
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(disagg))
+    pool = load_config(tmp_path / "d.yaml", env={render.ENGINE_KEY_ENV: "k3y"}).pools[0]
+    assert pool.disaggregated and [u.role for u in pool.upstreams] == ["prefill", "decode"]
     promtool = shutil.which("promtool")
     if promtool:
         for args in (
