@@ -368,7 +368,7 @@ def plot(done: list[Lever], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(done), figsize=(4.2 * len(done), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(done), figsize=(max(4.2 * len(done), 8.0), 4), squeeze=False)
     for ax, lever in zip(axes[0], done, strict=True):
         key, label = lever.headline
         workloads = list(dict.fromkeys(w for w, _ in lever.results))

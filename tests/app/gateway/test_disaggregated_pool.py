@@ -3,7 +3,8 @@ kv_producer) and a decode member (kv_consumer). A chat or completion goes to the
 then to the decode member with the answer's kv_transfer_params; the client gets one engine's tokens, streamed or not,
 billed once (the decode hop's usage: the prefill hop's token is the route's, not the client's), and one event naming
 both members. A prefill member that cannot be reached leaves the prompt to the decode member: same tokens, the event
-says no prefill member served it and why."""
+says no prefill member served it and why. One that hangs uses up the request's TTFT budget, which covers both hops:
+a 504 with one event, nothing billed that the decode member did not make, and its blocks all back."""
 
 from __future__ import annotations
 
@@ -44,7 +45,16 @@ def closed_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def hung_port():
+    """A prefill member that takes connections and never answers (its backlog holds them)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, hung_port):
     tmp = tmp_path_factory.mktemp("disagg-pool")
     model = make_tiny_llama(str(tmp / "tiny"), seed=5, max_position_embeddings=512)
     producer, consumer = engine(model, "kv_producer"), engine(model, "kv_consumer")
@@ -65,6 +75,14 @@ def stack(tmp_path_factory):
                 model="tiny-gone",
                 upstreams=[
                     UpstreamConfig(f"http://127.0.0.1:{closed_port()}", name="prefill", role="prefill", model="tiny"),
+                    UpstreamConfig(dec.url, name="decode", role="decode", model="tiny"),
+                ],
+            ),
+            PoolConfig(
+                model="tiny-hung",
+                ttft_timeout_s=1.0,
+                upstreams=[
+                    UpstreamConfig(f"http://127.0.0.1:{hung_port}", name="prefill", role="prefill", model="tiny"),
                     UpstreamConfig(dec.url, name="decode", role="decode", model="tiny"),
                 ],
             ),
@@ -127,3 +145,30 @@ def test_a_prefill_member_out_of_reach_leaves_the_prompt_to_the_decode_member(st
     assert event["prefill_instance"] is None and "prefill tiny-gone@prefill" in event["upstream_error"]
     assert event["kv_fetched_bytes"] is None
     assert stack["consumer"].kv_fetches == fetched  # nothing to fetch: it computed the prompt
+
+
+def test_a_hung_prefill_member_spends_a_streams_ttft_budget_which_covers_both_hops(stack):
+    body = {"model": "tiny-hung", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+    started = time.monotonic()
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, headers=stack["auth"], timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    assert 1.0 <= time.monotonic() - started < 5.0
+    event = the_event(stack["events"], r.headers["x-request-id"])
+    assert (event["status"], event["reason"], event["prefill_instance"]) == ("timeout", "timeout", None), event
+    assert "prefill tiny-hung@prefill" in event["upstream_error"] and event["completion_tokens"] == 0
+    blocks = stack["consumer"].block_manager
+    deadline = time.monotonic() + 5
+    while blocks.num_free_blocks < blocks.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_hung_prefill_member_leaves_a_whole_response_to_the_decode_member_after_the_ttft_limit(stack):
+    expected = greedy_reference(stack["model"], PROMPT, 20)
+    started = time.monotonic()
+    tokens, usage, request_id = complete(stack, "tiny-hung", stream=False)
+    assert tokens == expected and usage["completion_tokens"] == 20
+    assert time.monotonic() - started >= 1.0  # the prefill hop was given the TTFT limit, no more
+    event = the_event(stack["events"], request_id)
+    assert (event["status"], event["instance"], event["prefill_instance"]) == ("ok", "tiny-hung@decode", None)
+    assert "prefill tiny-hung@prefill" in event["upstream_error"]
