@@ -245,7 +245,10 @@ class LLMEngine:
         return self._structured
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
-        """Stop a request's unfinished choices and free their blocks; returns their final outputs (OutputProcessor)."""
+        """Stop a request's unfinished choices and free their blocks; returns their final outputs (OutputProcessor).
+        A finished prefill hop's pinned blocks are let go too (no consumer will come for them)."""
+        if self.kv_pins is not None:
+            self.kv_pins.release(request_id)
         return self.output_processor.abort(request_id)
 
     def fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:

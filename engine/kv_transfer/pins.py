@@ -85,6 +85,15 @@ class KVPins:
         if fetched:
             self.on_change()
 
+    def release(self, group_id: str) -> int:
+        """Let go of request `group_id`'s pins (its router sends no consumer for them: the request was aborted);
+        they are freed at the next collect, as fetched ones are. Returns how many."""
+        with self._lock:
+            pins = [p for p in self._pins.values() if p.seq.group_id == group_id]
+            for pin in pins:
+                pin.fetched = True
+        return len(pins)
+
     def collect(self, free: Callable[[Sequence], None], now: float | None = None) -> int:
         """Free the pins fetched or expired (by `now`, monotonic seconds) and not being read (engine thread); returns
         how many."""

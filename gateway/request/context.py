@@ -142,6 +142,7 @@ class RequestContext(RequestRecord):
     prefill_hops: list[Hop] = field(default_factory=list)
     kv_transfer_params: dict | None = None
     ttft_clock: float | None = None
+    prefill_pin: tuple[Hop, str] | None = None  # the prefill hop that holds the KV, and its upstream request id
 
     @classmethod
     def admitted(cls, request_id: str, principal: Principal, body: dict, kind: InferenceKind) -> RequestContext:

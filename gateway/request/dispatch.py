@@ -67,6 +67,8 @@ class Dispatcher:
             await self.prefill(ctx, hashes)
         last = "every instance's circuit is open"
         for hop in hops:
+            if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
+                self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
             ctx.route.append(hop.label)
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
             ctx.served_model = hop.model
@@ -103,6 +105,8 @@ class Dispatcher:
                 await end.drop_stream()
                 ctx.outcome.decide("error", "upstream_rejected", e.status)
                 return Response(e.body, e.status, media_type="application/json")
+        if ctx.prefill_pin is not None:
+            self.release_prefill(ctx)
         raise APIError(
             503,
             f"No upstream could serve '{ctx.model}' ({last}). Retry shortly.",
@@ -147,6 +151,7 @@ class Dispatcher:
             params = answer.get("kv_transfer_params")
             if isinstance(params, dict) and params.get("do_remote_prefill"):
                 ctx.kv_transfer_params, ctx.prefill_instance = params, hop.label
+                ctx.prefill_pin = (hop, upstream_id)
                 ctx.prefill_s = time.perf_counter() - started
                 self.metrics.prefill_time.labels(ctx.model, hop.instance.name).observe(ctx.prefill_s)
                 self.upstreams.record(hop, hashes)
@@ -154,10 +159,22 @@ class Dispatcher:
             break  # a member that keeps no KV (not a kv_producer): the decode member computes the prompt
         self.metrics.prefill_fallbacks.labels(ctx.model).inc()
 
+    def takes_kv(self, ctx: RequestContext, hop: Hop) -> bool:
+        """The hop fetches the prompt's KV the prefill hop left (a decode member of the requested pool)."""
+        return ctx.kv_transfer_params is not None and hop.instance.cfg.role == "decode" and not hop.fallback
+
+    def release_prefill(self, ctx: RequestContext) -> None:
+        """No decode hop will fetch the prefill hop's KV: its engine lets the blocks go now, not at the pin's
+        timeout."""
+        assert ctx.prefill_pin is not None
+        hop, upstream_id = ctx.prefill_pin
+        ctx.prefill_pin, ctx.kv_transfer_params = None, None
+        self.stop_prefill(hop, upstream_id)
+
     def stop_prefill(self, hop: Hop, upstream_id: str) -> None:
-        """Abort a prefill hop the request no longer waits for, in the background (it must not delay the decode hop
-        or a cancellation): its engine stops computing the prompt and keeps no KV for it. The prefill hop's tokens
-        are the route's, never billed."""
+        """Abort a prefill hop the request no longer waits for, or whose KV nobody will fetch, in the background (it
+        must not delay the next hop or a cancellation): its engine stops computing the prompt, or lets its pinned
+        blocks go. The prefill hop's tokens are the route's, never billed."""
         if hop.instance.cfg.engine:
             self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
@@ -178,7 +195,7 @@ class Dispatcher:
     def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
             body = {**ctx.body, "priority": ctx.priority}
-            if ctx.kv_transfer_params is not None and hop.instance.cfg.role == "decode" and not hop.fallback:
+            if self.takes_kv(ctx, hop):
                 body["kv_transfer_params"] = ctx.kv_transfer_params  # where the prefill member keeps the prompt's KV
             return body
         return ctx.body

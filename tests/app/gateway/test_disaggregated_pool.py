@@ -4,7 +4,8 @@ then to the decode member with the answer's kv_transfer_params; the client gets 
 billed once (the decode hop's usage: the prefill hop's token is the route's, not the client's), and one event naming
 both members. A prefill member that cannot be reached leaves the prompt to the decode member: same tokens, the event
 says no prefill member served it and why. One that hangs uses up the request's TTFT budget, which covers both hops:
-a 504 with one event, nothing billed that the decode member did not make, and its blocks all back."""
+a 504 with one event, nothing billed that the decode member did not make, and its blocks all back. With its decode
+member down, the prefill member answers the whole request and lets the prompt's KV go at once."""
 
 from __future__ import annotations
 
@@ -76,6 +77,13 @@ def stack(tmp_path_factory, hung_port):
                 upstreams=[
                     UpstreamConfig(f"http://127.0.0.1:{closed_port()}", name="prefill", role="prefill", model="tiny"),
                     UpstreamConfig(dec.url, name="decode", role="decode", model="tiny"),
+                ],
+            ),
+            PoolConfig(
+                model="tiny-no-decode",
+                upstreams=[
+                    UpstreamConfig(pre.url, name="prefill", role="prefill", model="tiny"),
+                    UpstreamConfig(f"http://127.0.0.1:{closed_port()}", name="decode", role="decode", model="tiny"),
                 ],
             ),
             PoolConfig(
@@ -172,3 +180,18 @@ def test_a_hung_prefill_member_leaves_a_whole_response_to_the_decode_member_afte
     event = the_event(stack["events"], request_id)
     assert (event["status"], event["instance"], event["prefill_instance"]) == ("ok", "tiny-hung@decode", None)
     assert "prefill tiny-hung@prefill" in event["upstream_error"]
+
+
+def test_with_no_decode_member_the_prefill_member_answers_and_lets_its_pin_go(stack):
+    expected = greedy_reference(stack["model"], PROMPT, 20)
+    tokens, usage, request_id = complete(stack, "tiny-no-decode", stream=True)
+    assert tokens == expected and (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 20)
+    event = the_event(stack["events"], request_id)
+    assert (event["status"], event["completion_tokens"]) == ("ok", 20)
+    assert (event["instance"], event["prefill_instance"]) == ("tiny-no-decode@prefill", "tiny-no-decode@prefill")
+    assert event["route"] == ["tiny-no-decode@decode", "tiny-no-decode@prefill"] and event["kv_fetched_bytes"] is None
+    pins = stack["producer"].kv_pins
+    deadline = time.monotonic() + 3  # released by the gateway's abort, not the pin's 30 s timeout
+    while len(pins) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(pins) == 0

@@ -11,6 +11,9 @@ engine 1 decodes (kv_consumer, fetching the prompt's KV from engine 0). One stac
    producer's pin was let go when the fetch was confirmed; the next requests are served whole by the prefill member
    (a disaggregated pool's last resort) until the supervisor restarts the consumer, whose circuit closes and which
    takes the decode hops again.
+3. A client gone while its prompt is on the prefill member: the gateway aborts the prefill hop (the producer stops
+   it, or lets its KV go at once if it had finished), the decode member never gets it, one event says the client
+   left.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tokenweir.gateway.accounting.events import read_events
 pytestmark = pytest.mark.slow
 PRODUCER, CONSUMER = f"{MODEL}@engine-0", f"{MODEL}@engine-1"
 PINNED, FAILURES = "tokenweir:kv_transfer_pinned_blocks", "tokenweir:kv_transfer_fetch_failures_total"
+FINISHED = "tokenweir:request_success_total"
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +42,9 @@ def stack(tmp_path_factory):
         yield stack
 
 
-def engine_metric(stack: EnginesStack, index: int, name: str) -> float:
+def engine_metric(stack: EnginesStack, index: int, name: str, **labels: str) -> float:
     text = httpx.get(stack.out.engines()[index][1] + "/metrics", timeout=5).text
-    return metric_value(text, name) or 0.0
+    return metric_value(text, name, **labels) or 0.0
 
 
 def events_of(stack: EnginesStack, rid: str) -> list[dict]:
@@ -149,3 +153,31 @@ def test_a_consumer_killed_mid_stream_ends_that_stream_billed_once_and_the_produ
         120,
         every_s=1,
     )
+
+
+def finished(stack: EnginesStack, index: int) -> float:
+    return sum(engine_metric(stack, index, FINISHED, finished_reason=r) for r in ("stop", "length", "abort"))
+
+
+def test_a_client_gone_during_the_prefill_hop_stops_it_on_the_producer(stack):
+    served_whole(stack, "Cobalt")
+    prefilled, decoded = finished(stack, 0), finished(stack, 1)
+    report = " ".join(f"Line {i} of the quarterly report says revenue moved by {i % 7} percent." for i in range(60))
+    rid = f"gone-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Summarize:\n" + report}], "max_tokens": 20}
+    headers = {"authorization": f"Bearer {stack.served.demo_key}", "x-request-id": rid}
+    with pytest.raises(httpx.ReadTimeout):  # the prompt takes seconds to compute: the client leaves first
+        httpx.post(stack.served.url + "/v1/chat/completions", json=body | {"stream": True}, headers=headers,
+                   timeout=httpx.Timeout(10, read=0.5))  # fmt: skip
+    event = the_event(stack, rid)
+    assert (event["status"], event["reason"], event["client_disconnected"]) == ("cancelled", "client_disconnected", 1)
+    assert event["prefill_instance"] is None and event["completion_tokens"] == 0, event
+
+    # The producer stops the prompt at its next step (aborted), or, where its last chunk was already under way,
+    # finishes it and lets the pinned KV go at once: either way within seconds, not at the pin's 30 s timeout.
+    def let_go() -> bool:
+        return finished(stack, 0) == prefilled + 1 and engine_metric(stack, 0, PINNED) == 0
+
+    wait_for("the producer to stop the prefill hop and keep no KV for it", let_go, 10)
+    assert finished(stack, 1) == decoded  # the decode member never got it
+    assert len(events_of(stack, rid)) == 1
