@@ -256,6 +256,62 @@ def test_a_producer_gone_or_hung_times_out_and_the_consumer_computes_the_prompt(
     assert_pools_whole(producer, consumer)
 
 
+class CutProducer:
+    """Relays a consumer's fetch to the real producer and cuts both connections once `limit` bytes of the answer
+    (its header line, then blocks) have passed: a producer that dies in the middle of sending the blocks."""
+
+    def __init__(self, producer_port: int, limit: int) -> None:
+        self.producer_port, self.limit = producer_port, limit
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.relayed: list[int] = []  # bytes passed on, per connection
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()[0]
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        with conn, socket.create_connection(("127.0.0.1", self.producer_port)) as upstream:
+            conn.settimeout(5)
+            upstream.settimeout(5)
+            upstream.sendall(conn.makefile("rb").readline())  # the consumer's request line
+            passed = 0
+            while passed < self.limit:
+                data = upstream.recv(min(65536, self.limit - passed))
+                if not data:
+                    break
+                conn.sendall(data)
+                passed += len(data)
+            self.relayed.append(passed)
+        # both closed here, the consumer's half-way through its blocks
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_producer_cut_off_mid_transfer_leaves_the_prompt_to_the_consumer(producer, consumer):
+    prompts = fresh(PROMPTS[4:5], "cut")  # ~600 tokens: ~37 blocks
+    expected = run(producer, prompts, [greedy()])
+    answers = prefill_hops(producer, prompts)
+    block_bytes = consumer.engine.kv_layout.block_bytes
+    limit = 9 * block_bytes + block_bytes // 2  # the header line, 9 blocks, part of the 10th
+    cut = CutProducer(answers[0]["remote_port"], limit)
+    try:
+        received = consumer.engine.kv_fetched_bytes
+        assert recomputed(consumer, prompts, [dict(answers[0], remote_port=cut.port)]) == expected
+        assert cut.relayed == [limit]
+        assert consumer.engine.kv_fetched_bytes - received == 8 * block_bytes  # one group of 8 written, then the cut
+    finally:
+        cut.close()
+    expire_pins(producer)  # the producer never heard the consumer's confirmation
+    assert_pools_whole(producer, consumer)
+
+
 def test_a_request_aborted_mid_fetch_gives_its_blocks_back_once_the_fetch_stops(producer, consumer):
     prompt = fresh(PROMPTS[4:5], "aborted")[0]
     answers = prefill_hops(producer, [prompt])
