@@ -67,6 +67,9 @@ def gateway_config(
             "max_context": 2048,
             "capacity": 16,
             "max_queued": 256,
+            # what a hosted model of its size might cost: the dashboard's cost panels have something to show
+            "price_input_per_1m": 0.05,
+            "price_output_per_1m": 0.2,
             "upstreams": [{"base_url": url, "name": name, "api_key_env": ENGINE_KEY_ENV} for name, url in engines],
         }
     ]

@@ -1,5 +1,6 @@
 """The lab dashboard as a picture: every panel's PromQL evaluated over the last minutes by Prometheus's range API,
-one subplot per panel (its PromQL as the title), written as a PNG.
+one subplot per panel (its PromQL as the title), the dashboard's annotations (configuration changes) as dashed
+vertical lines on every panel, written as a PNG.
 
     python -m deploy.render_dashboard http://127.0.0.1:9090 loadtests/results/lab_dashboard.png [--minutes 5]
 """
@@ -32,9 +33,19 @@ def render_png(prom: str, out: Path, minutes: float = 3, dashboard: Path = DASHB
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = json.loads(dashboard.read_text())["panels"]
+    dash = json.loads(dashboard.read_text())
+    panels = dash["panels"]
     end = time.time()
     start, step = end - minutes * 60, 2.0
+    marks = sorted(
+        {
+            float(t) - end
+            for note in dash.get("annotations", {}).get("list", [])
+            for series in query_range(prom, note["expr"], start, end, step)
+            for t, v in series["values"]
+            if float(v) > 0
+        }
+    )
     cols = 3
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 6.5, rows * 3.6), squeeze=False)
@@ -48,6 +59,8 @@ def render_png(prom: str, out: Path, minutes: float = 3, dashboard: Path = DASHB
                 label = ",".join(f"{k}={v}" for k, v in series["metric"].items() if k not in ("job",)) or expr[:30]
                 ax.plot(xs, ys, label=label[:40], linewidth=1)
                 n += 1
+        for x in marks:
+            ax.axvline(x, color="orange", linestyle="--", linewidth=0.8)
         title = panel["title"] + "\n" + "\n".join(textwrap.shorten(e, 110) for e in exprs)
         ax.set_title(title, fontsize=6.5, loc="left")
         ax.tick_params(labelsize=6)

@@ -13,6 +13,7 @@ Strict both ways: an unknown key in the file, or a `TOKENWEIR_*` env var that na
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import tomllib
 import types
@@ -63,6 +64,9 @@ class UpstreamConfig:
     # kv_producer), a "decode" member fetches their KV and streams (kv_consumer); "both", an ordinary member. A pool
     # with prefill members sends each chat or completion to one of them first, then to a decode member.
     role: str = "both"
+    # The model version it serves, for events (`model_revision`) and the model_info metric; unset, our engine's
+    # model-file digest (its /load says it).
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         who = f"upstream {self.name or self.base_url}"
@@ -413,3 +417,9 @@ def _coerce(tp, value, where: str):
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}") from e
     return value
+
+
+def config_digest(config: GatewayConfig) -> str:
+    """A short fingerprint of a configuration (every setting, secrets included: only their hash shows), for the
+    config_info metric: two processes with one digest run the same settings."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:12]

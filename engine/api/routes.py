@@ -173,6 +173,7 @@ async def load(engine: Engine, since: int | None = None, epoch: str | None = Non
         "num_total_blocks": stats.num_total_blocks,
         "num_cached_free_blocks": stats.num_cached_free_blocks,
         "max_num_seqs": engine.max_num_seqs,
+        "model_revision": engine.engine.model_revision,
         "block_size": bm.block_size,
         "prefix_caching": bm.enable_prefix_caching,
         "num_cached_blocks": log.num_cached_blocks,

@@ -54,6 +54,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = config.model or default_model_path()
         self.runner = ModelRunner(config, self.model_path, progress)  # loads the model, sizes and allocates the pool
+        self.model_revision = model_digest(self.model_path)  # which weights these are, for routers and KV transfers
         self.model, self.precision = self.runner.model, self.runner.precision
         self.model_config = self.model.config
         self.model_name = config.served_model_name or self.model_config.name
@@ -123,7 +124,7 @@ class LLMEngine:
         if config is None:
             return
         kv_cache = self.runner.kv_cache
-        self.kv_layout = KVLayout.of_cache(kv_cache, model_digest(self.model_path), self.precision.quantization)
+        self.kv_layout = KVLayout.of_cache(kv_cache, self.model_revision, self.precision.quantization)
         self.engine_id = f"{config.kv_ip}:{os.getpid()}:{id(self):x}"
         if config.is_producer:
             self.kv_pins = KVPins(config.pin_timeout_s, on_change=lambda: self.on_transfer_event())

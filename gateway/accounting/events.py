@@ -40,7 +40,9 @@ FIELDS = (
     "instance",
     "priority",
     "status",
-    "reason",  # why it is not ok; on an ok stream, "output_cut": its upstream went past max_tokens and was cut there
+    # why it is not ok (e.g. queue_timeout, ttft_timeout: no first token in time, total_timeout: no whole answer in
+    # time, client_disconnected, upstream_broken); on an ok stream, "output_cut": its upstream went past max_tokens
+    "reason",
     "http_status",
     "prompt_tokens",
     "completion_tokens",
@@ -69,6 +71,8 @@ FIELDS = (
     # hop's milliseconds (inside ttft_ms); null where the request took one hop
     "prefill_instance",
     "prefill_ms",
+    # the model version the serving instance runs: its configured `revision`, else its engine's model-file digest
+    "model_revision",
     # and what the decode member's answer says it fetched from it: prompt tokens (0: its own prefix cache held them,
     # or the fetch failed and it computed them), bytes, milliseconds
     "kv_fetched_tokens",

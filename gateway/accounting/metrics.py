@@ -38,6 +38,18 @@ class Counter(_CachedLabels, prometheus_client.Counter):
     pass
 
 
+# Length buckets of the latency histograms' prompt_len / output_len labels: (upper bound in tokens, label)
+PROMPT_BUCKETS = ((256, "0-256"), (1024, "256-1k"), (4096, "1k-4k"))
+OUTPUT_BUCKETS = ((64, "0-64"), (256, "64-256"), (1024, "256-1k"))
+
+
+def length_bucket(tokens: int, buckets: tuple[tuple[int, str], ...]) -> str:
+    for bound, label in buckets:
+        if tokens <= bound:
+            return label
+    return buckets[-1][1].split("-")[1] + "+"
+
+
 class Gauge(_CachedLabels, prometheus_client.Gauge):
     pass
 
@@ -64,15 +76,37 @@ class Metrics:
         self.queue_time = Histogram(
             p + "queue_seconds", "Time in the dispatch queue", ["model"], buckets=_LATENCY, registry=r
         )
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first token", ["model"], buckets=_LATENCY, registry=r)
+        # Latency by slice: the request's prompt and output length, each in one of a few fixed buckets
+        # (PROMPT_BUCKETS, OUTPUT_BUCKETS), so "is it slower on long prompts?" is one query.
+        sliced = ["model", "prompt_len", "output_len"]
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token", sliced, buckets=_LATENCY, registry=r)
         self.tpot = Histogram(
-            p + "tpot_seconds",
-            "Time per output token after the first",
-            ["model"],
-            buckets=_LATENCY,
+            p + "tpot_seconds", "Time per output token after the first", sliced, buckets=_LATENCY, registry=r
+        )
+        self.e2e = Histogram(p + "e2e_seconds", "End-to-end request latency", sliced, buckets=_LATENCY, registry=r)
+        self.errors = Counter(
+            p + "request_errors",
+            "Admitted requests that did not end ok, by class (status error | timeout | cancelled, and its reason)",
+            ["model", "status", "reason"],
             registry=r,
         )
-        self.e2e = Histogram(p + "e2e_seconds", "End-to-end request latency", ["model"], buckets=_LATENCY, registry=r)
+        self.cost = Counter(
+            p + "cost_usd", "Billed cost in USD at the serving pool's prices", ["team", "model"], registry=r
+        )
+        self.model_info = Gauge(
+            p + "model_info",
+            "1 per pool member and the model revision it serves (the configured one, else its engine's file digest)",
+            ["model", "upstream", "revision"],
+            registry=r,
+        )
+        self.config_info = Gauge(
+            p + "config_info", "1 for the configuration this process runs (its digest)", ["digest"], registry=r
+        )
+        self.config_loaded = Gauge(
+            p + "config_loaded_timestamp_seconds",
+            "When this process's configuration took effect (the dashboard marks each change)",
+            registry=r,
+        )
         self.overhead = Histogram(
             p + "overhead_seconds",
             "Wall time spent in the gateway itself (e2e minus queue and upstream time)",
@@ -153,6 +187,11 @@ class Metrics:
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=r,
         )
+
+    def config_applied(self, digest: str, at: float) -> None:
+        self.config_info.clear()
+        self.config_info.labels(digest).set(1)
+        self.config_loaded.set(at)
 
     def refresh_team(self, team: str, snapshot: dict) -> None:
         """Copy a state snapshot into the per-team gauges (done at scrape time, not per request)."""

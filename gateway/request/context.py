@@ -101,6 +101,7 @@ class RequestRecord:
     prefill_instance: str | None = None
     prefill_s: float | None = None
     kv_transfer: dict | None = None  # the decode hop's kv_transfer_params: the KV it fetched, bytes, milliseconds
+    model_revision: str | None = None  # the model version the last hop's instance serves
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

@@ -65,13 +65,20 @@ class Dispatcher:
         hops, hashes = self.route(ctx)
         if ctx.prefill_hops:
             await self.prefill(ctx, hashes)
+            if ctx.stream and asyncio.get_running_loop().time() >= self.first_token_deadline(ctx):
+                # the prefill hop spent the whole TTFT budget: no decode hop could send a first token in time
+                if ctx.prefill_pin is not None:
+                    self.release_prefill(ctx)
+                ctx.outcome.decide("timeout", "ttft_timeout", 504)
+                limit = self.timeouts(ctx)[0]
+                raise APIError(504, f"The upstream did not send a first token within {limit:g}s.", "timeout")
         last = "every instance's circuit is open"
         for hop in hops:
             if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
                 self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
             ctx.route.append(hop.label)
             ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
-            ctx.served_model = hop.model
+            ctx.served_model, ctx.model_revision = hop.model, hop.instance.revision
             ctx.upstream_id = "tw-" + random_hex()
             self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
             hop.instance.take(time.monotonic())
@@ -121,9 +128,8 @@ class Dispatcher:
         late leaves the prompt to the decode member (as a colocated hop). The hop's own token is not the client's:
         the engines count it, the bill does not (the event names the prefill member)."""
         loop = asyncio.get_running_loop()
-        ttft, total = self.timeouts(ctx)
         ctx.ttft_clock = loop.time()
-        deadline = min(ctx.ttft_clock + ttft, ctx.deadline_base + total)
+        deadline = self.first_token_deadline(ctx)
         body = {**self.upstream_body(ctx, ctx.prefill_hops[0]), "max_tokens": 1, "n": 1, "stream": False}
         body["kv_transfer_params"] = {"do_remote_decode": True}
         for key in ("max_completion_tokens", "stream_options", "best_of"):
@@ -158,6 +164,12 @@ class Dispatcher:
                 return
             break  # a member that keeps no KV (not a kv_producer): the decode member computes the prompt
         self.metrics.prefill_fallbacks.labels(ctx.model).inc()
+
+    def first_token_deadline(self, ctx: RequestContext) -> float:
+        """Loop time by which a stream's first token must come (the TTFT clock of a disaggregated pool started at
+        its prefill hop, else now)."""
+        ttft, total = self.timeouts(ctx)
+        return min((ctx.ttft_clock or asyncio.get_running_loop().time()) + ttft, ctx.deadline_base + total)
 
     def takes_kv(self, ctx: RequestContext, hop: Hop) -> bool:
         """The hop fetches the prompt's KV the prefill hop left (a decode member of the requested pool)."""
@@ -209,7 +221,7 @@ class Dispatcher:
                 self.client, hop, KIND_PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
             )
         except TimeoutError:
-            ctx.outcome.decide("timeout", "timeout", 504)
+            ctx.outcome.decide("timeout", "total_timeout", 504)
             ctx.instance_ok = not self.instance_too_slow(ctx, "total")
             raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
         finally:
@@ -236,7 +248,7 @@ class Dispatcher:
     async def open_stream(self, ctx: RequestContext, hop: Hop, end: RequestEnd) -> Response:
         loop = asyncio.get_running_loop()
         ttft, total = self.timeouts(ctx)
-        first_deadline = min((ctx.ttft_clock or loop.time()) + ttft, ctx.deadline_base + total)
+        first_deadline = self.first_token_deadline(ctx)
         ctx.incomplete = hop.instance.cfg.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
         chunks = ChunkFilter(
@@ -264,8 +276,8 @@ class Dispatcher:
                 if out is not None:
                     first.append(out)
         except TimeoutError:
-            ctx.outcome.decide("timeout", "timeout", 504)
             first_token = loop.time() < ctx.deadline_base + total
+            ctx.outcome.decide("timeout", "ttft_timeout" if first_token else "total_timeout", 504)
             which, limit = ("first token", ttft) if first_token else ("response", total)
             ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
@@ -303,7 +315,7 @@ class Dispatcher:
                             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
                             pending.clear()
             except TimeoutError:
-                ctx.outcome.decide("timeout", "timeout", 504)
+                ctx.outcome.decide("timeout", "total_timeout", 504)
                 ctx.incomplete = True
                 tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
             except HTTPError as e:  # the upstream connection broke mid-body

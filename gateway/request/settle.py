@@ -24,7 +24,7 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
-from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.accounting.metrics import OUTPUT_BUCKETS, PROMPT_BUCKETS, Metrics, length_bucket
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import relay
@@ -315,6 +315,7 @@ class Settler:
             "upstream_error": ctx.upstream_error,
             "upstream_request_id": ctx.upstream_id or None,
             "instance": ctx.route[-1] if ctx.route else None,
+            "model_revision": ctx.model_revision,
             "priority": ctx.priority,
             "status": ctx.outcome.status,
             "reason": ctx.outcome.reason,
@@ -356,13 +357,22 @@ class Settler:
         if prompt or completion:
             m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
             m.completion_tokens.labels(ctx.team_id, model).inc(completion)
-        m.e2e.labels(model).observe(e2e)
+        if cost:
+            m.cost.labels(ctx.team_id, model).inc(femtos_to_usd(cost))
+        if outcome.status in ("error", "timeout", "cancelled"):
+            m.errors.labels(model, outcome.status, outcome.reason or "unknown").inc()
+        sliced = (
+            model,
+            length_bucket(prompt, PROMPT_BUCKETS),
+            length_bucket(completion, OUTPUT_BUCKETS),
+        )
+        m.e2e.labels(*sliced).observe(e2e)
         if ctx.queue_s is not None:
             m.queue_time.labels(model).observe(ctx.queue_s)
         if ctx.ttft_s is not None:
-            m.ttft.labels(model).observe(ctx.ttft_s)
+            m.ttft.labels(*sliced).observe(ctx.ttft_s)
         if tpot is not None:
-            m.tpot.labels(model).observe(tpot)
+            m.tpot.labels(*sliced).observe(tpot)
         upstream = (ctx.upstream_end or now) - ctx.dispatched_at if ctx.dispatched_at is not None else 0.0
         m.overhead.observe(max(0.0, e2e - (ctx.queue_s or 0.0) - upstream))
         if outcome.status != "ok":

@@ -32,7 +32,7 @@ from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
-from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.config import GatewayConfig, config_digest
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.admission import Admission
@@ -68,6 +68,7 @@ def create_app(
     app's services once the lifespan has built them, before the first request (serve's engine replicas attach so)."""
     ensure_configured(config.log_level)
     metrics = Metrics()
+    metrics.config_applied(config_digest(config), time.time())
     upstreams = Upstreams(config, metrics)
     own_state = state_backend is None
     state = state_backend or make_state(config)

@@ -44,6 +44,23 @@ class Instance:
     # /load poll sent after that answers again (`mark_up`).
     down_since: float | None = None
     max_model_len: int | None = None  # our engine's context length, from its /v1/models (None: not known yet)
+    revision: str | None = None  # the model version it serves: configured, else its engine's digest (/load)
+
+    def __post_init__(self) -> None:
+        self.revision = self.cfg.revision
+
+    def learn_revision(self, revision: str) -> None:
+        """Its engine's model digest, from /load (unless a revision is configured): a new one replaces the old."""
+        if self.cfg.revision is not None or revision == self.revision:
+            return
+        if self.metrics is not None and self.revision is not None:
+            self.metrics.model_info.remove(self.model, self.name, self.revision)
+        self.revision = revision
+        self._report_revision()
+
+    def _report_revision(self) -> None:
+        if self.metrics is not None and self.revision is not None:
+            self.metrics.model_info.labels(self.model, self.name, self.revision).set(1)
 
     @property
     def name(self) -> str:
@@ -250,11 +267,12 @@ class Upstreams:
         self._poller: asyncio.Task | None = None
 
     def attach_metrics(self, metrics: Metrics | None) -> None:
-        """Per-instance circuit state, failures, hops and fallbacks go to `metrics` from now on."""
+        """Per-instance circuit state, failures, hops, fallbacks and revision go to `metrics` from now on."""
         for pool in self.pools.values():
             for inst in pool.instances:
                 inst.metrics = metrics
                 inst._report()
+                inst._report_revision()
 
     def get(self, model: str) -> Pool | None:
         return self.pools.get(model)
@@ -316,6 +334,8 @@ class Upstreams:
                 inst.mark_up()
                 get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
             forget_evicted(inst, inst.load)
+            if isinstance(revision := inst.load.get("model_revision"), str):
+                inst.learn_revision(revision[:64])
             if inst.max_model_len is None:
                 inst.max_model_len = await _model_len(client, inst)
 

@@ -19,6 +19,7 @@ import uvicorn
 
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.common.engine_flags import parse_size
+from tokenweir.common.text.model_files import model_digest
 from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine, EngineThread
@@ -284,6 +285,7 @@ async def test_models_load_health(served):
     load = await served.load()
     assert load["num_total_blocks"] == MAX_LEN // 16 and load["num_free_blocks"] == load["num_total_blocks"]
     assert {"num_running", "num_waiting", "kv_cache_usage", "max_num_seqs"} <= load.keys()
+    assert load["model_revision"] == model_digest(served.engine.engine.model_path)  # the model file's digest
     assert (await served.client.get("/health")).json() == {"status": "ok"}
 
 

@@ -18,13 +18,14 @@ import pytest
 
 from tests.app.engine.test_server import greedy_reference
 from tests.support.events import the_event
+from tests.support.metrics import gateway_metrics
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.engine.api import build_app
 from tokenweir.engine.config import EngineConfig, KVTransferConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
-from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig, config_digest
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
@@ -104,6 +105,7 @@ def stack(tmp_path_factory, hung_port):
                 "model": model,
                 "producer": producer,
                 "consumer": consumer,
+                "config": config,
             }
     store.close()
 
@@ -162,7 +164,7 @@ def test_a_hung_prefill_member_spends_a_streams_ttft_budget_which_covers_both_ho
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
     assert 1.0 <= time.monotonic() - started < 5.0
     event = the_event(stack["events"], r.headers["x-request-id"])
-    assert (event["status"], event["reason"], event["prefill_instance"]) == ("timeout", "timeout", None), event
+    assert (event["status"], event["reason"], event["prefill_instance"]) == ("timeout", "ttft_timeout", None), event
     assert "prefill tiny-hung@prefill" in event["upstream_error"] and event["completion_tokens"] == 0
     blocks = stack["consumer"].block_manager
     deadline = time.monotonic() + 5
@@ -195,3 +197,18 @@ def test_with_no_decode_member_the_prefill_member_answers_and_lets_its_pin_go(st
     while len(pins) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(pins) == 0
+
+
+def test_events_and_metrics_name_the_model_revision_and_the_configuration(stack):
+    revision = stack["consumer"].model_revision  # the engine's model-file digest, from its /load
+    info = ("tokenweir_gateway_model_info", (("model", "tiny"), ("revision", revision), ("upstream", "decode")))
+    deadline = time.monotonic() + 10
+    while gateway_metrics(stack["url"]).get(info) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gateway_metrics(stack["url"]).get(info) == 1
+    _, _, request_id = complete(stack, "tiny", stream=False)
+    assert the_event(stack["events"], request_id)["model_revision"] == revision
+    metrics = gateway_metrics(stack["url"])
+    configs = [labels for (name, labels), value in metrics.items() if name == "tokenweir_gateway_config_info"]
+    assert configs == [(("digest", config_digest(stack["config"])),)]
+    assert metrics[("tokenweir_gateway_config_loaded_timestamp_seconds", ())] <= time.time()

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
+from tests.support.metrics import gateway_metrics
 from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
@@ -174,14 +175,29 @@ async def test_no_leaks_after_a_storm_of_cancels_and_timeouts(stack):
                 model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"fake": {"ttft_ms": 1500}}
             )
 
+    classes = (("timeout", "ttft_timeout"), ("timeout", "total_timeout"), ("cancelled", "client_disconnected"))
+
+    def errors() -> dict[tuple[str, str], float]:  # errors by class, this module's gateway
+        got, name = gateway_metrics(stack["url"]), "tokenweir_gateway_request_errors_total"
+        return {(s, r): got.get((name, (("model", MODEL), ("reason", r), ("status", s))), 0.0) for s, r in classes}
+
+    before = errors()
     tasks = [ttft_timeout(i % 2 == 0) for i in range(16)]
     tasks += [total_timeout_mid_stream() for _ in range(8)]
     tasks += [client_gives_up() for _ in range(16)]
     await asyncio.gather(*tasks)
     events, stored = settled(stack, team.id, 40)
+    after = errors()
+    assert {k: after[k] - before[k] for k in after} == {
+        ("timeout", "ttft_timeout"): 8,
+        ("timeout", "total_timeout"): 16,
+        ("cancelled", "client_disconnected"): 16,
+    }
     reasons = sorted(e["reason"] for e in events)
-    assert reasons.count("timeout") == 24 and reasons.count("client_disconnected") == 16, reasons
-    mid = [e for e in events if e["reason"] == "timeout" and e["stream"] and e["completion_tokens"] > 0]
+    # streams wait for a first token under the TTFT limit; a whole response only under the total one
+    assert reasons.count("ttft_timeout") == 8 and reasons.count("total_timeout") == 16, reasons
+    assert reasons.count("client_disconnected") == 16, reasons
+    mid = [e for e in events if e["reason"] == "total_timeout" and e["stream"] and e["completion_tokens"] > 0]
     assert len(mid) == 8 and all(e["http_status"] == 504 for e in mid)
     fake = stack["fake"]
     reached = [e for e in events if e["upstream_request_id"] in fake.records]  # a slow machine may cut some sooner

@@ -152,7 +152,7 @@ async def test_streams_an_external_pool_never_finished_are_billed_the_reservatio
         await asyncio.gather(*timed_out)
     events = events_of(stack, team_id, 12) + events_of(stack, slow_id, 4)
     reasons = sorted(e["reason"] for e in events)
-    assert reasons == ["client_disconnected"] * 8 + ["timeout"] * 4 + ["upstream_broken"] * 4, reasons
+    assert reasons == ["client_disconnected"] * 8 + ["total_timeout"] * 4 + ["upstream_broken"] * 4, reasons
     for e in events:
         prompt, completion = made(stack, e)
         assert e["usage_source"] == "reservation_bound", e

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
+from tests.support.metrics import gateway_metrics
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.stack import events_of, team
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
@@ -94,3 +95,8 @@ async def test_a_few_hundred_tiny_requests_are_billed_their_exact_sum_everywhere
     live = httpx.get(stack["url"] + f"/admin/teams/{team_id}/state", headers=admin, timeout=30).json()["live"]
     assert live["day_usd"]["spent"] == femtos_to_usd(exact_femtos) and close(live["day_usd"]["spent"])
     assert live["day_usd"]["reserved"] == 0
+    # the metrics say it too: cost by team and model, and every request's latency in its length slice
+    metrics = gateway_metrics(stack["url"])
+    assert close(metrics[("tokenweir_gateway_cost_usd_total", (("model", MODEL), ("team", team_id)))])
+    sliced = (("model", MODEL), ("output_len", "0-64"), ("prompt_len", "0-256"))
+    assert metrics[("tokenweir_gateway_e2e_seconds_count", sliced)] == REQUESTS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -209,9 +210,11 @@ def test_rendered_files_are_current_and_valid(tmp_path):
     pool = load_config(tmp_path / "d.yaml", env={render.ENGINE_KEY_ENV: "k3y"}).pools[0]
     assert pool.disaggregated and [u.role for u in pool.upstreams] == ["prefill", "decode"]
     promtool = shutil.which("promtool")
+    assert promtool or not os.environ.get("CI"), "promtool: scripts/setup.sh installs it (apt-get install prometheus)"
     if promtool:
         for args in (
             ["check", "rules", str(ROOT / "deploy" / "alerts.yml")],
+            ["test", "rules", str(ROOT / "deploy" / "alerts_test.yml")],  # TTFT p99 and KV cache alerts fire
             ["check", "config", "--syntax-only", str(ROOT / "deploy" / "prometheus.yml")],
         ):
             out = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
@@ -253,8 +256,15 @@ def test_dashboard_and_grafana_provisioning():
         "circuit",
         "fallbacks",
         "acceptance",
+        "prompt length",
+        "output length",
+        "errors/s by class",
+        "cost",
+        "revision",
     ):
         assert word in titles, word
+    [change] = json.loads((ROOT / "deploy/grafana/dashboards/tokenweir.json").read_text())["annotations"]["list"]
+    assert "tokenweir_gateway_config_loaded_timestamp_seconds" in change["expr"]
     ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
     dash = json.loads((ROOT / "deploy/grafana/dashboards/tokenweir.json").read_text())
     uid = ds["datasources"][0]["uid"]
