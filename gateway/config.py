@@ -91,6 +91,11 @@ class PoolConfig:
     max_queued: int = 1024
     ttft_timeout_s: float | None = None
     total_timeout_s: float | None = None
+    # When every hop of the plan failed before its first byte (connection refused, 5xx, 429), go through the plan
+    # again up to `retries` times, waiting retry_backoff_s, then twice that, ... (with jitter) within the request's
+    # deadline. A hop that failed was never relayed to the client, and an engine's partial work is billed as made.
+    retries: int = 0
+    retry_backoff_s: float = 0.25
     # External pools: a non-text content part (image, audio, file) is reserved at this many tokens, an upper
     # bound settled to the upstream's usage. Our engines take text only and refuse other parts with a 400.
     non_text_part_tokens: int = 2048
@@ -126,6 +131,8 @@ class PoolConfig:
             raise ValueError(f"pool {self.model}: upstream names must differ within a pool, got {names}")
         if self.disaggregated and all(u.role == "prefill" for u in self.upstreams):
             raise ValueError(f"pool {self.model}: prefill members need a decode (or both) member to stream from")
+        if self.retries < 0 or self.retry_backoff_s <= 0:
+            raise ValueError(f"pool {self.model}: retries must be >= 0 and retry_backoff_s > 0")
         try:
             self.route_params()
         except ValueError as e:

@@ -149,6 +149,9 @@ class Metrics:
             ["model", "upstream"],
             registry=r,
         )
+        self.retries = Counter(
+            p + "retries", "Route plans tried again after every hop failed before its first byte", ["model"], registry=r
+        )
         self.fallbacks = Counter(
             p + "fallbacks",
             "Requests for `model` served by a hop of the fallback pool `served_model`",

@@ -9,6 +9,7 @@ stream of a hop on it, and hands it to the stream response it returns.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from fastapi.responses import Response
@@ -60,8 +61,9 @@ class Dispatcher:
         return hops, hashes
 
     async def dispatch(self, ctx: RequestContext, end: RequestEnd) -> Response:
-        """The answer of the first hop that gives one. A stream's response carries the request's `end` (its body
-        settles the request); any other answer, or an exception, leaves the end to the handler."""
+        """The answer of the first hop that gives one; with `retries`, the plan again after a backoff when every hop
+        failed before its first byte. A stream's response carries the request's `end` (its body settles the
+        request); any other answer, or an exception, leaves the end to the handler."""
         hops, hashes = self.route(ctx)
         if ctx.prefill_hops:
             await self.prefill(ctx, hashes)
@@ -73,45 +75,17 @@ class Dispatcher:
                 limit = self.timeouts(ctx)[0]
                 raise APIError(504, f"The upstream did not send a first token within {limit:g}s.", "timeout")
         last = "every instance's circuit is open"
-        for hop in hops:
-            if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
-                self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
-            ctx.route.append(hop.label)
-            ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
-            ctx.served_model, ctx.model_revision = hop.model, hop.instance.revision
-            ctx.upstream_id = "tw-" + random_hex()
-            self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
-            hop.instance.take(time.monotonic())
-            self.upstreams.record(hop, hashes)
-            self.metrics.in_flight.labels(ctx.model).inc()
-            try:
-                if ctx.stream:
-                    return await self.open_stream(ctx, hop, end)
-                return await self.call(ctx, hop)
-            except relay.UpstreamFailed as e:
-                last, ctx.incomplete = str(e), False
-                if hop.instance.cfg.engine:
-                    # The request may have reached the engine (a stream that failed before its first token, a
-                    # connection lost after sending): stop it and keep what it counted, so the bill still
-                    # matches the engine's counters.
-                    answer = await relay.abort(self.client, hop, ctx.upstream_id)
-                    usage = (answer or {}).get("usage") or {}
-                    ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
-                    ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
-                self.settler.release_hop(ctx, ok=False)
-                await end.drop_stream()  # its usage, if any, is in `spilled` now
-            except relay.UpstreamRejected as e:
-                ctx.incomplete = False
-                # Refused before running: nothing was made. An engine may have failed the request part-way (a
-                # grammar it could not follow): it counted what it made, and the bill says the same.
-                ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}
-                if hop.instance.cfg.engine:
-                    usage = ((await relay.abort(self.client, hop, ctx.upstream_id)) or {}).get("usage") or {}
-                    ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
-                    ctx.usage_source = "engine_abort"
-                await end.drop_stream()
-                ctx.outcome.decide("error", "upstream_rejected", e.status)
-                return Response(e.body, e.status, media_type="application/json")
+        for attempt in range(1 + self.upstreams.pools[ctx.model].cfg.retries):
+            if attempt:
+                if not await self.back_off(ctx, attempt):
+                    break
+                hops = self.retry_plan(ctx)
+                self.metrics.retries.labels(ctx.model).inc()
+            for hop in hops:
+                answer = await self.try_hop(ctx, hop, end, hashes)
+                if isinstance(answer, Response):
+                    return answer
+                last = answer
         if ctx.prefill_pin is not None:
             self.release_prefill(ctx)
         raise APIError(
@@ -120,6 +94,68 @@ class Dispatcher:
             "upstream_unavailable",
             headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
         )
+
+    async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
+        """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it)."""
+        if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
+            self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
+        ctx.route.append(hop.label)
+        ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
+        ctx.served_model, ctx.model_revision = hop.model, hop.instance.revision
+        ctx.upstream_id = "tw-" + random_hex()
+        self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
+        hop.instance.take(time.monotonic())
+        self.upstreams.record(hop, hashes)
+        self.metrics.in_flight.labels(ctx.model).inc()
+        try:
+            if ctx.stream:
+                return await self.open_stream(ctx, hop, end)
+            return await self.call(ctx, hop)
+        except relay.UpstreamFailed as e:
+            ctx.incomplete = False
+            if hop.instance.cfg.engine:
+                # The request may have reached the engine (a stream that failed before its first token, a
+                # connection lost after sending): stop it and keep what it counted, so the bill still
+                # matches the engine's counters.
+                answer = await relay.abort(self.client, hop, ctx.upstream_id)
+                usage = (answer or {}).get("usage") or {}
+                ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
+            self.settler.release_hop(ctx, ok=False)
+            await end.drop_stream()  # its usage, if any, is in `spilled` now
+            return str(e)
+        except relay.UpstreamRejected as e:
+            ctx.incomplete = False
+            # Refused before running: nothing was made. An engine may have failed the request part-way (a
+            # grammar it could not follow): it counted what it made, and the bill says the same.
+            ctx.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+            if hop.instance.cfg.engine:
+                usage = ((await relay.abort(self.client, hop, ctx.upstream_id)) or {}).get("usage") or {}
+                ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+                ctx.usage_source = "engine_abort"
+            await end.drop_stream()
+            ctx.outcome.decide("error", "upstream_rejected", e.status)
+            return Response(e.body, e.status, media_type="application/json")
+
+    async def back_off(self, ctx: RequestContext, attempt: int) -> bool:
+        """Wait before retry `attempt` (exponential, with jitter: replicas that failed together do not come back
+        together); False, without waiting, if the wait would pass the request's deadline (its first token's, for a
+        stream)."""
+        pool = self.upstreams.pools[ctx.model].cfg
+        delay = pool.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)
+        loop = asyncio.get_running_loop()
+        deadline = self.first_token_deadline(ctx) if ctx.stream else ctx.deadline_base + self.timeouts(ctx)[1]
+        if loop.time() + delay >= deadline:
+            return False
+        await asyncio.sleep(delay)
+        return True
+
+    def retry_plan(self, ctx: RequestContext) -> list[Hop]:
+        """The route plan again, ranked by load now (the prompt's prefix home failed a moment ago)."""
+        hops, _, _ = self.upstreams.route(ctx.model)
+        if ctx.kind == "embeddings":
+            hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
+        return hops
 
     async def prefill(self, ctx: RequestContext, hashes: list[int]) -> None:
         """A disaggregated pool: the prompt computed on a prefill member (max_tokens 1, its KV kept there for the
