@@ -116,15 +116,23 @@ def all_blocks_free(llm: LLM) -> bool:
     return full and not llm.engine.has_unfinished_requests()
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(plain) -> tuple[list[list[int]], list[list[int]]]:
+    """Plain decoding's greedy tokens for PROMPTS, each prompt alone and all batched (computed once: both methods
+    below compare against them)."""
+    alone = [plain.generate([p], greedy())[0].new_token_ids for p in PROMPTS]
+    return alone, [o.new_token_ids for o in plain.generate(PROMPTS, greedy())]
+
+
 @pytest.mark.parametrize("method", ["spec", "spec_cache"])
-def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran(plain, method, request):
+def test_greedy_tokens_equal_plain_decoding_alone_and_batched_and_the_drafts_ran(plain_greedy, method, request):
     spec = request.getfixturevalue(method)
     assert len(PROMPTS) >= 50
     drafts_before = metric(spec, "spec_decode_num_draft_tokens")
     alone = [spec.generate([p], greedy())[0].new_token_ids for p in PROMPTS]
-    assert alone == [plain.generate([p], greedy())[0].new_token_ids for p in PROMPTS]
+    assert alone == plain_greedy[0]
     batched = [o.new_token_ids for o in spec.generate(PROMPTS, greedy())]
-    assert batched == [o.new_token_ids for o in plain.generate(PROMPTS, greedy())]
+    assert batched == plain_greedy[1]
     drafted = metric(spec, "spec_decode_num_draft_tokens") - drafts_before
     accepted = metric(spec, "spec_decode_num_accepted_tokens")
     assert drafted > 500 and 0.2 * drafted < accepted < drafted, (drafted, accepted)
