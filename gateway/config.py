@@ -85,6 +85,9 @@ class PoolConfig:
     model: str
     upstreams: list[UpstreamConfig] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    # Pools with a longer context, tried in order for a prompt that does not fit this pool's (instead of a 400
+    # context_length_exceeded): the first whose context fits it serves the request (LiteLLM's name).
+    context_window_fallbacks: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # the served model's GGUF ("default": the bundled SmolLM2): exact; else estimate
     max_context: int | None = None  # prompt + max_tokens must fit
     capacity: int = 64  # requests dispatched to the pool at once; the rest wait in its priority queue

@@ -46,7 +46,7 @@ from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
-from tokenweir.policies.caps import apply_caps
+from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.pricing import max_cost_over
 from tokenweir.policies.reservation import Reservation
@@ -186,15 +186,25 @@ class Admission:
         # max_completion_tokens): the tightest one bounds the reservation.
         bounds = [k for k in _LENGTH_FIELDS[ctx.kind] if body.get(k) is not None]
         requested = min((body[k] for k in bounds), default=None)
-        pool = self.upstreams.pools[ctx.model].cfg
-        cap = apply_caps(
-            ctx.prompt_tokens,
-            requested,
-            max_prompt_tokens=ctx.limits.max_prompt_tokens,
-            max_output_tokens=ctx.limits.max_output_tokens,
-            context_window=pool.max_context,
-            longest_prompt_tokens=ctx.longest_prompt,
-        )
+        pool = self.upstreams.pools[ctx.model]
+
+        def caps(context_window: int | None) -> CapResult:
+            return apply_caps(
+                ctx.prompt_tokens,
+                requested,
+                max_prompt_tokens=ctx.limits.max_prompt_tokens,
+                max_output_tokens=ctx.limits.max_output_tokens,
+                context_window=context_window,
+                longest_prompt_tokens=ctx.longest_prompt,
+            )
+
+        cap = caps(pool.max_model_len)
+        if cap.error is not None and cap.error.what == "context":  # a pool with a longer context may take it
+            for longer in pool.cfg.context_window_fallbacks:
+                fits = caps(self.upstreams.pools[longer].max_model_len)
+                if fits.error is None:
+                    cap, ctx.context_fallback = fits, longer
+                    break
         if cap.error is not None:
             # "too_long" in the event; OpenAI's code for the client
             ctx.outcome.decide("rejected", cap.error.reason, 400)
@@ -218,7 +228,8 @@ class Admission:
         # the serving pool's prices: hold the dearest, or a cheap primary that is down lets a budget be overrun.
         pools = self.upstreams.pools
         assert ctx.max_tokens is not None  # apply_caps set it
-        plan = [ctx.model, *pools[ctx.model].cfg.fallbacks]
+        target = ctx.context_fallback or ctx.model
+        plan = [target, *pools[target].cfg.fallbacks]
         if ctx.kind == "embeddings":  # as dispatch routes them: a fallback that serves no embeddings is no hop
             plan = [m for m in plan if m == ctx.model or pools[m].serves_embeddings]
         ctx.cost_reserved = max_cost_over((pools[m].cfg.prices for m in plan), ctx.prompt_tokens, ctx.max_tokens)

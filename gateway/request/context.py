@@ -141,6 +141,7 @@ class RequestContext(RequestRecord):
     # disaggregated prefill: the prefill members to try before the decode hop (route), the answer that names the
     # prompt's KV (the decode hop's kv_transfer_params), and the loop time its TTFT clock started
     prefill_hops: list[Hop] = field(default_factory=list)
+    context_fallback: str | None = None  # the pool of a longer context that serves a prompt too long for `model`'s
     kv_transfer_params: dict | None = None
     ttft_clock: float | None = None
     prefill_pin: tuple[Hop, str] | None = None  # the prefill hop that holds the KV, and its upstream request id

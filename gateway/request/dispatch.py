@@ -45,16 +45,19 @@ class Dispatcher:
     def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
         prompt's block hashes for the prefix index."""
-        pool = self.upstreams.pools[ctx.model]
+        target = ctx.context_fallback or ctx.model  # the pool whose context fits the prompt
+        pool = self.upstreams.pools[target]
         token_ids = None
         if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
             token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
-        hops, why, hashes = self.upstreams.route(ctx.model, token_ids)
+        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
         elif pool.prefill_members:
-            ctx.prefill_hops, _ = self.upstreams.prefill_route(ctx.model, token_ids)
+            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids)
         ctx.route_reason = why.as_dict()
+        if ctx.context_fallback is not None:
+            ctx.route_reason["context_window_fallback"] = ctx.context_fallback
         self.metrics.routing_decisions.labels(ctx.model, why.reason).inc()
         if why.reason.startswith("prefix_"):  # the prompt's hashes were looked up (not a fallback to load)
             self.metrics.routing_prefix_hit_blocks.labels(ctx.model).observe(why.hit_blocks)
@@ -152,7 +155,7 @@ class Dispatcher:
 
     def retry_plan(self, ctx: RequestContext) -> list[Hop]:
         """The route plan again, ranked by load now (the prompt's prefix home failed a moment ago)."""
-        hops, _, _ = self.upstreams.route(ctx.model)
+        hops, _, _ = self.upstreams.route(ctx.context_fallback or ctx.model, None, ctx.model)
         if ctx.kind == "embeddings":
             hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
         return hops

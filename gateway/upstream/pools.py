@@ -261,7 +261,7 @@ class Upstreams:
             self.pools[pc.model] = Pool(pc, [Instance(u, config.breaker, model=pc.model) for u in pc.upstreams])
         self.attach_metrics(metrics)
         for pc in config.pools:
-            for fb in pc.fallbacks:
+            for fb in [*pc.fallbacks, *pc.context_window_fallbacks]:
                 assert fb in self.pools, f"pool {pc.model}: fallback {fb!r} is not a configured pool"
         self.poll_interval_s = config.load_poll_interval_s
         self._poller: asyncio.Task | None = None
@@ -280,17 +280,21 @@ class Upstreams:
     def plan(self, model: str) -> list[Hop]:
         return self.route(model)[0]
 
-    def route(self, model: str, token_ids: list[int] | None = None) -> tuple[list[Hop], routing.RouteReason, list[int]]:
-        """The route plan, why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
+    def route(
+        self, model: str, token_ids: list[int] | None = None, requested: str | None = None
+    ) -> tuple[list[Hop], routing.RouteReason, list[int]]:
+        """The route plan of pool `model` (for a request of `requested`, default `model`: another one makes every
+        hop a fallback hop), why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
         now = time.monotonic()
+        requested = requested or model
         pool = self.pools[model]
         ranked, why, hashes = pool.route(now, token_ids)
-        hops = [Hop(model, i, model) for i in ranked]
+        hops = [Hop(model, i, requested) for i in ranked]
         # A disaggregated pool whose decode members all fail: its prefill members answer whole requests (the prompt
         # likely in their cache from the prefill hop) before another pool is asked.
-        hops += [Hop(model, i, model) for i in pool.ranked(now, pool.prefill_members)]
+        hops += [Hop(model, i, requested) for i in pool.ranked(now, pool.prefill_members)]
         for fb in pool.cfg.fallbacks:
-            hops += [Hop(fb, i, model) for i in self.pools[fb].ranked(now)]
+            hops += [Hop(fb, i, requested) for i in self.pools[fb].ranked(now)]
         return hops, why, hashes
 
     def prefill_route(self, model: str, token_ids: list[int] | None) -> tuple[list[Hop], list[int]]:

@@ -1,7 +1,11 @@
-"""Retries with backoff, through real HTTP: client -> gateway -> fake upstream answering 503 to its next N requests.
-A pool with `retries` goes through its plan again after a backoff when every hop failed before its first byte: the
-client gets the answer, billed once, one event whose route lists every try; without retries (or once they are
-spent) it is the 503 `upstream_unavailable` it always was."""
+"""Two ways a pool answers where it used to fail, through real HTTP: client -> gateway -> fake upstream.
+
+Retries with backoff (the fake answering 503 to its next N requests): a pool with `retries` goes through its plan
+again after a backoff when every hop failed before its first byte: the client gets the answer, billed once, one
+event whose route lists every try; without retries (or once they are spent) it is the 503 `upstream_unavailable` it
+always was. Context-window fallbacks: a prompt too long for a pool's context goes to the first of its
+`context_window_fallbacks` whose context fits it (the event names it); with none that fits, the 400
+context_length_exceeded it always was."""
 
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ def stack(tmp_path_factory):
             PoolConfig(model="retrying", upstreams=[UpstreamConfig(upstream.url, model="m")], retries=3,
                        retry_backoff_s=0.1),
             PoolConfig(model="once", upstreams=[UpstreamConfig(upstream.url, model="m")]),
+            PoolConfig(model="short", upstreams=[UpstreamConfig(upstream.url, model="m")], max_context=64,
+                       context_window_fallbacks=["medium", "long"]),
+            PoolConfig(model="medium", upstreams=[UpstreamConfig(upstream.url, model="m")], max_context=128),
+            PoolConfig(model="long", upstreams=[UpstreamConfig(upstream.url, model="m")], max_context=4096),
         ]  # fmt: skip
         config = GatewayConfig(
             port=0,
@@ -79,3 +87,22 @@ def test_without_retries_or_once_they_are_spent_the_client_gets_a_503(stack):
     event = the_event(stack["events"], r.headers["x-request-id"])
     assert event["route"] == ["retrying@retrying-0"] * 4 and event["completion_tokens"] == 0
     stack["fake"].fail_next = 0
+
+
+@pytest.mark.parametrize(("prompt_tokens", "served"), [(40, "short"), (100, "medium"), (1000, "long")])
+def test_a_prompt_too_long_for_a_pools_context_goes_to_the_first_longer_one_that_fits(stack, prompt_tokens, served):
+    _, secret = team(stack)
+    body = {"model": "short", "prompt": [7] * prompt_tokens, "max_tokens": 5, "fake": {"tokens": 5}}
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, headers={"authorization": f"Bearer {secret}"})
+    assert r.status_code == 200, r.text
+    event = the_event(stack["events"], r.headers["x-request-id"])
+    assert (event["status"], event["served_model"], event["prompt_tokens"]) == ("ok", served, prompt_tokens)
+    assert event["route_reason"].get("context_window_fallback") == (None if served == "short" else served)
+
+
+def test_a_prompt_no_pool_fits_is_refused_as_before(stack):
+    _, secret = team(stack)
+    for model, tokens in (("short", 5000), ("medium", 200)):  # past every fallback's context; a pool without any
+        body = {"model": model, "prompt": [7] * tokens, "max_tokens": 5}
+        r = httpx.post(stack["url"] + "/v1/completions", json=body, headers={"authorization": f"Bearer {secret}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
