@@ -268,6 +268,41 @@ class BundledEngineConfig:
 
 
 @dataclass
+class VariantConfig:
+    """One version behind a public model name: the pool that serves it, and its share of the subjects."""
+
+    pool: str
+    weight: float = 1.0
+    name: str = ""  # what events and metrics call it; default: the pool's name
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.pool
+        if self.weight < 0:
+            raise ValueError(f"variant {self.name}: weight must be >= 0")
+
+
+@dataclass
+class AliasConfig:
+    """A public model name served by weighted variants (A/B tests, canaries), each a pool. A request's variant is
+    sticky per `sticky` subject: "key" (the API key), "user" (the request's `user` field, else the key), or
+    "header:NAME" (that request header's value, else the key). The header `x-tokenweir-variant: NAME` picks a
+    variant outright (for testing one)."""
+
+    model: str
+    variants: list[VariantConfig] = field(default_factory=list)
+    sticky: str = "key"
+
+    def __post_init__(self) -> None:
+        if not self.variants or sum(v.weight for v in self.variants) <= 0:
+            raise ValueError(f"alias {self.model}: needs variants with a positive total weight")
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"alias {self.model}: variant names must differ, got {names}")
+        if self.sticky not in ("key", "user") and not (self.sticky.startswith("header:") and len(self.sticky) > 7):
+            raise ValueError(f"alias {self.model}: sticky is key, user or header:NAME, got {self.sticky!r}")
+
+
+@dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -277,6 +312,7 @@ class GatewayConfig:
     state_url: str | None = None  # redis://host:6379/0: limits shared by several gateway replicas; None: in-process
     state: StateConfig = field(default_factory=StateConfig)
     pools: list[PoolConfig] = field(default_factory=list)
+    aliases: list[AliasConfig] = field(default_factory=list)  # public names over weighted variants (pools)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -298,6 +334,13 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("workers: at least 1")
+        pools = {p.model for p in self.pools}
+        for alias in self.aliases:
+            if alias.model in pools:
+                raise ValueError(f"alias {alias.model}: a pool has that name")
+            missing = [v.pool for v in alias.variants if v.pool not in pools]
+            if missing:
+                raise ValueError(f"alias {alias.model}: variants name pools that are not configured: {missing}")
 
     def pool(self, model: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.model == model), None)

@@ -71,6 +71,9 @@ FIELDS = (
     # hop's milliseconds (inside ttft_ms); null where the request took one hop
     "prefill_instance",
     "prefill_ms",
+    # a request for an alias (weighted variants): the name asked for and the variant it got (`model` is its pool)
+    "alias",
+    "variant",
     # the model version the serving instance runs: its configured `revision`, else its engine's model-file digest
     "model_revision",
     # and what the decode member's answer says it fetched from it: prompt tokens (0: its own prefix cache held them,

@@ -149,6 +149,12 @@ class Metrics:
             ["model", "upstream"],
             registry=r,
         )
+        self.variant_requests = Counter(
+            p + "variant_requests",
+            "Requests for an alias by the variant they got and their outcome (the variant's pool labels the rest)",
+            ["alias", "variant", "status"],
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries", "Route plans tried again after every hop failed before its first byte", ["model"], registry=r
         )

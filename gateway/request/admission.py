@@ -1,6 +1,7 @@
 """Admission: the request path's steps, in order, for one request:
 
-    new_context -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot -> enter_queue -> dispatch
+    new_context -> choose_variant -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot
+    -> enter_queue -> dispatch
 
 (reserve takes the concurrency slot too, in the same state call: one round trip on a shared state; take_slot
 refuses the request whose slot was full.)
@@ -37,7 +38,7 @@ from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
 from tokenweir.gateway.request.background import BackgroundTasks
-from tokenweir.gateway.request.context import RequestContext, request_scope
+from tokenweir.gateway.request.context import RequestContext, clip, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
@@ -46,6 +47,7 @@ from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.policies import variants
 from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.pricing import max_cost_over
@@ -55,6 +57,7 @@ log = get_logger()
 
 # The fields that bound a choice's length, per endpoint, as upstreams read them: chat takes either (vLLM and our
 # engine prefer max_completion_tokens, older servers read max_tokens only); completions reads max_tokens only.
+VARIANT_HEADER = "x-tokenweir-variant"  # picks an alias's variant outright (testing one)
 _LENGTH_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",)}
 
 
@@ -95,6 +98,7 @@ class Admission:
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
         watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
         try:
+            self.choose_variant(ctx, request)
             self.check_model(ctx)
             self.count_prompt(ctx)
             self.apply_caps(ctx)
@@ -131,6 +135,31 @@ class Admission:
         self.seen_teams.add(principal.team.id)
         return RequestContext.admitted(request_scope(request).request_id, principal, body, kind)
 
+    def choose_variant(self, ctx: RequestContext, request: Request) -> None:
+        """A request for an alias gets one of its variants (policies/variants.py), sticky per the alias's subject,
+        or the one its `x-tokenweir-variant` header names; from here on `ctx.model` is that variant's pool."""
+        alias = self.upstreams.aliases.get(ctx.model)
+        if alias is None:
+            return
+        names = [v.name for v in alias.variants]
+        asked = request.headers.get(VARIANT_HEADER)
+        if asked is not None and asked not in names:
+            raise APIError(
+                400, f"{VARIANT_HEADER}: '{clip(asked)}' is not a variant of '{alias.model}' ({', '.join(names)}).",
+                "invalid_variant", param=VARIANT_HEADER,
+            )  # fmt: skip
+        if asked is not None:
+            variant = alias.variants[names.index(asked)]
+        else:
+            subject = ctx.key_id or ""
+            if alias.sticky == "user":
+                subject = ctx.user or subject
+            elif alias.sticky.startswith("header:"):
+                subject = request.headers.get(alias.sticky[7:]) or subject
+            point = variants.subject_point(alias.model, subject)
+            variant = alias.variants[variants.pick_variant([v.weight for v in alias.variants], point)]
+        ctx.alias, ctx.variant, ctx.model = alias.model, variant.name, variant.pool
+
     def check_model(self, ctx: RequestContext) -> None:
         if ctx.model not in self.upstreams.pools:
             raise APIError(
@@ -139,12 +168,11 @@ class Admission:
                 "model_not_found",
                 param="model",
             )
-        if not ctx.limits.allows_model(ctx.model):
-            raise APIError(403, f"Your team may not use the model '{ctx.model}'.", "model_not_allowed", param="model")
-        if ctx.key_limits is not None and not ctx.key_limits.allows_model(ctx.model):
-            raise APIError(
-                403, f"This API key may not use the model '{ctx.model}'.", "model_not_allowed", param="model"
-            )
+        asked = ctx.alias or ctx.model  # a team is given the public name; an alias's variants come with it
+        if not ctx.limits.allows_model(asked):
+            raise APIError(403, f"Your team may not use the model '{asked}'.", "model_not_allowed", param="model")
+        if ctx.key_limits is not None and not ctx.key_limits.allows_model(asked):
+            raise APIError(403, f"This API key may not use the model '{asked}'.", "model_not_allowed", param="model")
         if ctx.kind == "embeddings" and not self.upstreams.pools[ctx.model].serves_embeddings:
             raise APIError(
                 400,

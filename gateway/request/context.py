@@ -102,6 +102,10 @@ class RequestRecord:
     prefill_s: float | None = None
     kv_transfer: dict | None = None  # the decode hop's kv_transfer_params: the KV it fetched, bytes, milliseconds
     model_revision: str | None = None  # the model version the last hop's instance serves
+    # a request for an alias (weighted variants): the name the client asked for, and the variant it got (whose
+    # pool is `model`)
+    alias: str | None = None
+    variant: str | None = None
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

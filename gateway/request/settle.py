@@ -316,6 +316,8 @@ class Settler:
             "upstream_request_id": ctx.upstream_id or None,
             "instance": ctx.route[-1] if ctx.route else None,
             "model_revision": ctx.model_revision,
+            "alias": ctx.alias,
+            "variant": ctx.variant,
             "priority": ctx.priority,
             "status": ctx.outcome.status,
             "reason": ctx.outcome.reason,
@@ -352,6 +354,8 @@ class Settler:
         model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
         outcome = ctx.outcome
         m.requests.labels(ctx.team_id or "none", model, outcome.status).inc()
+        if ctx.alias is not None:
+            m.variant_requests.labels(ctx.alias, ctx.variant, outcome.status).inc()
         if outcome.status == "rejected":
             m.rejections.labels(outcome.reason or "unknown").inc()
         if prompt or completion:

@@ -24,6 +24,7 @@ from tokenweir.gateway.request.context import request_scope
 from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.me import key_info
 from tokenweir.gateway.server.services import Services, ServicesDep
+from tokenweir.gateway.upstream.pools import Upstreams
 
 router = APIRouter()
 
@@ -186,8 +187,9 @@ async def embeddings(request: Request, services: ServicesDep, principal: Princip
     responses={200: {"model": ModelList, "description": "The models."}, 401: _ERRORS[401], 403: _ERRORS[403]},
 )
 async def list_models(services: ServicesDep, principal: Principal = Depends(require_key)) -> JSONResponse:
-    models = [_card(name, pool) for name, pool in services.upstreams.pools.items() if principal.may_use(name)]
-    return JSONResponse({"object": "list", "data": models})
+    upstreams = services.upstreams
+    names = [*upstreams.pools, *upstreams.aliases]
+    return JSONResponse({"object": "list", "data": [_card(n, upstreams) for n in names if principal.may_use(n)]})
 
 
 @router.get(
@@ -198,19 +200,26 @@ async def list_models(services: ServicesDep, principal: Principal = Depends(requ
 async def retrieve_model(
     model_id: str, services: ServicesDep, principal: Principal = Depends(require_key)
 ) -> JSONResponse:
-    pool = services.upstreams.pools.get(model_id)
-    if pool is None or not principal.may_use(model_id):  # not allowed reads as not there
+    upstreams = services.upstreams
+    known = model_id in upstreams.pools or model_id in upstreams.aliases
+    if not known or not principal.may_use(model_id):  # not allowed reads as not there
         raise APIError(
             404,
             f"The model '{_clip(model_id)}' does not exist or you do not have access to it.",
             "model_not_found",
             param="model",
         )
-    return JSONResponse(_card(model_id, pool))
+    return JSONResponse(_card(model_id, upstreams))
 
 
-def _card(name: str, pool) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenweir", "max_model_len": pool.max_model_len}
+def _card(name: str, upstreams: Upstreams) -> dict:
+    """A pool's card, or an alias's: the shortest context of its variants' pools (any of them may serve a key)."""
+    if name in upstreams.pools:
+        length = upstreams.pools[name].max_model_len
+    else:
+        lengths = [upstreams.pools[v.pool].max_model_len for v in upstreams.aliases[name].variants]
+        length = min((n for n in lengths if n is not None), default=None)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenweir", "max_model_len": length}
 
 
 def _clip(text: str) -> str:

@@ -257,6 +257,7 @@ class Hop:
 class Upstreams:
     def __init__(self, config: GatewayConfig, metrics: Metrics | None = None) -> None:
         self.pools: dict[str, Pool] = {}
+        self.aliases = {a.model: a for a in config.aliases}  # public names over weighted variants (pools)
         for pc in config.pools:
             self.pools[pc.model] = Pool(pc, [Instance(u, config.breaker, model=pc.model) for u in pc.upstreams])
         self.attach_metrics(metrics)
