@@ -88,6 +88,11 @@ class PoolConfig:
     # Pools with a longer context, tried in order for a prompt that does not fit this pool's (instead of a 400
     # context_length_exceeded): the first whose context fits it serves the request (LiteLLM's name).
     context_window_fallbacks: list[str] = field(default_factory=list)
+    # Shadow traffic: this fraction of the pool's chats and completions is also sent to the pool `shadow_pool`,
+    # fire-and-forget (never waited on, never failing or slowing the request; at most SHADOWS_IN_FLIGHT at once per
+    # process), billed to no team: its usage and latency go to the tokenweir_gateway_shadow_* metrics only.
+    shadow_pool: str | None = None
+    shadow_fraction: float = 0.0
     tokenizer: str | None = None  # the served model's GGUF ("default": the bundled SmolLM2): exact; else estimate
     max_context: int | None = None  # prompt + max_tokens must fit
     capacity: int = 64  # requests dispatched to the pool at once; the rest wait in its priority queue
@@ -134,6 +139,8 @@ class PoolConfig:
             raise ValueError(f"pool {self.model}: upstream names must differ within a pool, got {names}")
         if self.disaggregated and all(u.role == "prefill" for u in self.upstreams):
             raise ValueError(f"pool {self.model}: prefill members need a decode (or both) member to stream from")
+        if not 0 <= self.shadow_fraction <= 1:
+            raise ValueError(f"pool {self.model}: shadow_fraction must be in [0, 1]")
         if self.retries < 0 or self.retry_backoff_s <= 0:
             raise ValueError(f"pool {self.model}: retries must be >= 0 and retry_backoff_s > 0")
         try:

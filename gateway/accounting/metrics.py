@@ -155,6 +155,23 @@ class Metrics:
             ["alias", "variant", "status"],
             registry=r,
         )
+        # Shadow traffic (a pool's shadow_pool): mirrored requests by outcome, their latency and tokens (billed to
+        # no team), beside the pool's own e2e_seconds for the comparison.
+        self.shadow_requests = Counter(
+            p + "shadow_requests",
+            "Requests mirrored to a shadow pool, by outcome (ok, error, timeout, dropped: too many in flight)",
+            ["model", "shadow", "status"],
+            registry=r,
+        )
+        self.shadow_e2e = Histogram(
+            p + "shadow_e2e_seconds", "A mirrored request's latency", ["model", "shadow"], buckets=_LATENCY, registry=r
+        )
+        self.shadow_tokens = Counter(
+            p + "shadow_tokens",
+            "Tokens a shadow pool reported for mirrored requests (billed to no team)",
+            ["model", "shadow", "kind"],
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries", "Route plans tried again after every hop failed before its first byte", ["model"], registry=r
         )

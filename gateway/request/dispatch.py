@@ -19,7 +19,7 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
-from tokenweir.gateway.openai.endpoints import KIND_PATHS
+from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
 from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext
@@ -28,6 +28,8 @@ from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
+
+SHADOWS_IN_FLIGHT = 64  # mirrored requests out at once, per process: past it a sampled request is not mirrored
 
 
 class Dispatcher:
@@ -41,6 +43,7 @@ class Dispatcher:
             metrics,
             settler,
         )
+        self.shadows_in_flight = 0
 
     def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
@@ -68,6 +71,7 @@ class Dispatcher:
         failed before its first byte. A stream's response carries the request's `end` (its body settles the
         request); any other answer, or an exception, leaves the end to the handler."""
         hops, hashes = self.route(ctx)
+        self.maybe_shadow(ctx)
         if ctx.prefill_hops:
             await self.prefill(ctx, hashes)
             if ctx.stream and asyncio.get_running_loop().time() >= self.first_token_deadline(ctx):
@@ -97,6 +101,52 @@ class Dispatcher:
             "upstream_unavailable",
             headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
         )
+
+    def maybe_shadow(self, ctx: RequestContext) -> None:
+        """Mirror the request to its pool's shadow pool, if it is in the sampled fraction: in the background, and
+        only while fewer than SHADOWS_IN_FLIGHT mirrors are out (past that, dropped: counted, never queued)."""
+        pool = self.upstreams.pools[ctx.model].cfg
+        if pool.shadow_pool is None or ctx.kind == "embeddings" or random.random() >= pool.shadow_fraction:
+            return
+        if self.shadows_in_flight >= SHADOWS_IN_FLIGHT:
+            self.metrics.shadow_requests.labels(ctx.model, pool.shadow_pool, "dropped").inc()
+            return
+        body = {k: v for k, v in ctx.body.items() if k not in ("stream", "stream_options")}
+        self.shadows_in_flight += 1
+        self.settler.background.spawn(self.shadow(ctx.model, pool.shadow_pool, ctx.kind, body))
+
+    async def shadow(self, model: str, shadow: str, kind: InferenceKind, body: dict) -> None:
+        """One mirrored request, non-stream, under the pool's total timeout; what it made is counted in the
+        shadow metrics only."""
+        status, started = "error", time.perf_counter()
+        hop = next((h for h in self.upstreams.route(shadow)[0] if not h.fallback), None)
+        try:
+            if hop is None:
+                return  # every member's circuit is open
+            hop.instance.take(time.monotonic())
+            deadline = asyncio.get_running_loop().time() + self.timeouts_of(model)[1]
+            ok = False
+            try:
+                answer, _ = await relay.call_json(
+                    self.client, hop, KIND_PATHS[kind], body, "tw-shadow-" + random_hex(), deadline
+                )
+                ok, status = True, "ok"
+            except TimeoutError:
+                status = "timeout"
+            except (relay.UpstreamFailed, relay.UpstreamRejected, HTTPError):
+                pass
+            finally:
+                hop.instance.done(ok, time.monotonic())
+            self.metrics.shadow_e2e.labels(model, shadow).observe(time.perf_counter() - started)
+            usage = answer.get("usage") if ok else None
+            if isinstance(usage, dict):
+                for key in ("prompt_tokens", "completion_tokens"):
+                    tokens = usage.get(key)
+                    if type(tokens) is int and tokens > 0:
+                        self.metrics.shadow_tokens.labels(model, shadow, key.removesuffix("_tokens")).inc(tokens)
+        finally:
+            self.shadows_in_flight -= 1
+            self.metrics.shadow_requests.labels(model, shadow, status).inc()
 
     async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
         """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it)."""
@@ -234,6 +284,11 @@ class Dispatcher:
         ttft = _tightest(ctx.limits.ttft_timeout_s, pool.ttft_timeout_s) or t.ttft_s
         total = _tightest(ctx.limits.total_timeout_s, pool.total_timeout_s) or t.total_s
         return ttft, total
+
+    def timeouts_of(self, model: str) -> tuple[float, float]:
+        """A pool's own limits (no team's): a shadow request's."""
+        pool, t = self.upstreams.pools[model].cfg, self.config.timeouts
+        return pool.ttft_timeout_s or t.ttft_s, pool.total_timeout_s or t.total_s
 
     def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
         """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must

@@ -262,7 +262,7 @@ class Upstreams:
             self.pools[pc.model] = Pool(pc, [Instance(u, config.breaker, model=pc.model) for u in pc.upstreams])
         self.attach_metrics(metrics)
         for pc in config.pools:
-            for fb in [*pc.fallbacks, *pc.context_window_fallbacks]:
+            for fb in [*pc.fallbacks, *pc.context_window_fallbacks, *([pc.shadow_pool] if pc.shadow_pool else [])]:
                 assert fb in self.pools, f"pool {pc.model}: fallback {fb!r} is not a configured pool"
         self.poll_interval_s = config.load_poll_interval_s
         self._poller: asyncio.Task | None = None
