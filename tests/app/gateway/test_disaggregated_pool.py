@@ -19,6 +19,7 @@ import pytest
 from tests.app.engine.test_server import greedy_reference
 from tests.support.events import the_event
 from tests.support.metrics import gateway_metrics
+from tests.support.raw_upstream import silent_port
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.engine.api import build_app
@@ -48,11 +49,8 @@ def closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def hung_port():
-    """A prefill member that takes connections and never answers (its backlog holds them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(16)
-        yield s.getsockname()[1]
+    with silent_port() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ nothing for the client."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.support.metrics import gateway_metrics
+from tests.support.raw_upstream import silent_port
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.stack import events_of, team
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
@@ -25,11 +25,8 @@ PROMPT = [101, 102, 103, 104]
 
 @pytest.fixture(scope="module")
 def hung_port():
-    """A shadow member that takes connections and never answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(16)
-        yield s.getsockname()[1]
+    with silent_port() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")
