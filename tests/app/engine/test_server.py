@@ -87,7 +87,10 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def make_engine(model_dir: str, **kwargs) -> LLMEngine:
-    # One intra-op thread: on a shared 2-core box, torch's thread pool makes a tiny step ~30x slower.
+    # One intra-op thread: on a shared 2-core box, torch's thread pool makes a tiny step ~30x slower. float32, as
+    # greedy_reference: `--dtype auto` times a bf16 probe at the model's shape, which a tiny model's can win or lose
+    # by noise, and bf16 picks other tokens of a random model.
+    kwargs = {"dtype": "float32", **kwargs}
     return LLMEngine(
         EngineConfig(model=model_dir, num_kv_blocks=MAX_LEN // 16, num_threads=1, quantization="none", **kwargs)
     )

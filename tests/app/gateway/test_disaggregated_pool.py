@@ -35,7 +35,7 @@ PROMPT = [(11 * i + 5) % 250 + 2 for i in range(50)]
 
 def engine(model: str, role: str) -> LLMEngine:
     config = EngineConfig(
-        model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", num_threads=1,
+        model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", num_threads=1, dtype="float32",
         kv_transfer=KVTransferConfig(kv_role=role),
     )  # fmt: skip
     return LLMEngine(config)
