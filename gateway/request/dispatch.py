@@ -119,12 +119,13 @@ class Dispatcher:
         """One mirrored request, non-stream, under the pool's total timeout; what it made is counted in the
         shadow metrics only."""
         status, started = "error", time.perf_counter()
-        hop = next((h for h in self.upstreams.route(shadow)[0] if not h.fallback), None)
+        members = self.upstreams.pools[shadow].ranked(time.monotonic())
+        hop = Hop(shadow, members[0], shadow) if members else None
         try:
             if hop is None:
                 return  # every member's circuit is open
             hop.instance.take(time.monotonic())
-            deadline = asyncio.get_running_loop().time() + self.timeouts_of(model)[1]
+            deadline = asyncio.get_running_loop().time() + self.pool_timeouts(model)[1]
             ok = False
             try:
                 answer, _ = await relay.call_json(
@@ -133,7 +134,7 @@ class Dispatcher:
                 ok, status = True, "ok"
             except TimeoutError:
                 status = "timeout"
-            except (relay.UpstreamFailed, relay.UpstreamRejected, HTTPError):
+            except (relay.UpstreamFailed, relay.UpstreamRejected):
                 pass
             finally:
                 hop.instance.done(ok, time.monotonic())
@@ -280,15 +281,17 @@ class Dispatcher:
             self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
     def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
-        pool, t = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
-        ttft = _tightest(ctx.limits.ttft_timeout_s, pool.ttft_timeout_s) or t.ttft_s
-        total = _tightest(ctx.limits.total_timeout_s, pool.total_timeout_s) or t.total_s
-        return ttft, total
+        return self.pool_timeouts(ctx.model, ctx.limits.ttft_timeout_s, ctx.limits.total_timeout_s)
 
-    def timeouts_of(self, model: str) -> tuple[float, float]:
-        """A pool's own limits (no team's): a shadow request's."""
+    def pool_timeouts(
+        self, model: str, team_ttft: float | None = None, team_total: float | None = None
+    ) -> tuple[float, float]:
+        """TTFT and total limits of a request to pool `model`: the tighter of its team's and the pool's, else the
+        gateway's (a shadow request has no team)."""
         pool, t = self.upstreams.pools[model].cfg, self.config.timeouts
-        return pool.ttft_timeout_s or t.ttft_s, pool.total_timeout_s or t.total_s
+        ttft = _tightest(team_ttft, pool.ttft_timeout_s) or t.ttft_s
+        total = _tightest(team_total, pool.total_timeout_s) or t.total_s
+        return ttft, total
 
     def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
         """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
