@@ -205,6 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads (default: all cores but one, left to the HTTP event loop)",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="trace generation requests (continuing the W3C traceparent each carries, e.g. a gateway hop's) and send "
+        "the spans over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces (vLLM's flag; needs the packages "
+        "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http); default: off",
+    )
+    p.add_argument(
+        "--enable-tracing",
+        action="store_true",
+        help="trace generation requests as --otlp-traces-endpoint does, printing the spans on stdout (needs "
+        "opentelemetry-sdk: the [tracing] extra), unless --otlp-traces-endpoint sends them over OTLP",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -221,6 +235,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def api_key(args: argparse.Namespace) -> str | None:
     """The key the API asks for: --api-key, else the env variable (what `tokenweir serve` passes its children)."""
     return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def tracing_exporter(args: argparse.Namespace) -> str | None:
+    """Where the flags send traces (common/tracing.py's exporter names); None: tracing is off."""
+    if args.otlp_traces_endpoint:
+        return "otlp"
+    return "console" if args.enable_tracing else None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -13,7 +13,7 @@ from tokenweir.common.logging import configure
 # Only torch-free imports up here: `--help` and `--version` must answer without loading torch. The engine, the app
 # and uvicorn are imported in main(), after the arguments are parsed.
 from tokenweir.engine.flags import KEEP_ALIVE_S as KEEP_ALIVE_S  # tests serve the app with the engine's keep-alive
-from tokenweir.engine.flags import api_key, engine_config, parse_args
+from tokenweir.engine.flags import api_key, engine_config, parse_args, tracing_exporter
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -33,11 +33,16 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from tokenweir.common.http.door_limits import http_limits_from_args, uvicorn_options
+    from tokenweir.common.tracing import make_provider
     from tokenweir.engine.api import build_app
+    from tokenweir.engine.api.tracing import SERVICE_NAME
     from tokenweir.engine.core.async_engine import AsyncEngine, EngineThread
     from tokenweir.engine.core.llm_engine import LLMEngine
 
     try:
+        tracer_provider = None
+        if (exporter := tracing_exporter(args)) is not None:  # first: a missing package stops it before the load
+            tracer_provider = make_provider(SERVICE_NAME, exporter, args.otlp_traces_endpoint)
         config = engine_config(args)
         if config.num_threads is None:
             config.num_threads = serving_threads()
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     # A dead step loop serves nothing ever again: stop the server (its graceful shutdown lets the failed requests'
     # errors go out), then exit non-zero below, so a supervisor restarts the process instead of routing to a husk.
     async_engine = AsyncEngine(engine, thread=thread, on_dead=lambda _cause: os.kill(os.getpid(), signal.SIGTERM))
-    app = build_app(async_engine, api_key=api_key(args))
+    app = build_app(async_engine, api_key=api_key(args), tracer_provider=tracer_provider)
     print(f"tokenweir engine: serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     # Connections are bounded at the door (head size and deadline, body pauses, keep-alive of KEEP_ALIVE_S, open
     # connections): --max-header-bytes and the other flags of common/http/door_limits.py.

@@ -21,14 +21,17 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
 import yaml
 
 from tokenweir.common.http.door_limits import HttpLimits
+from tokenweir.common.tracing import EXPORTERS, exporter_error
 from tokenweir.policies.pricing import Prices, price_error
 from tokenweir.policies.routing import RouteParams
 
+T = TypeVar("T")
 ENV_PREFIX = "TOKENWEIR_"
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
 OTHER_ENV = frozenset(
@@ -43,6 +46,8 @@ OTHER_ENV = frozenset(
     }
 )
 _TRUE = ("true", "1", "yes", "on")
+_STRICT = {"extra": "forbid"}  # pydantic's config for the sections the admin API reads (pools, aliases)
+_FOREVER_S = 10 * 86400.0  # a timeout or backoff longer than this is a mistake
 _FALSE = ("false", "0", "no", "off")
 
 
@@ -67,9 +72,16 @@ class UpstreamConfig:
     # The model version it serves, for events (`model_revision`) and the model_info metric; unset, our engine's
     # model-file digest (its /load says it).
     revision: str | None = None
+    # Draining: it takes no new requests; those it serves finish (then remove it: DELETE /admin/pools/.../members/..)
+    draining: bool = False
+
+    # The admin API reads this class from JSON (pydantic): unknown keys are refused there as in the file.
+    __pydantic_config__ = _STRICT
 
     def __post_init__(self) -> None:
         who = f"upstream {self.name or self.base_url}"
+        if not self.base_url.startswith(("http://", "https://")) or not _plain(self.base_url + self.name):
+            raise ValueError(f"{who}: base_url is an http:// or https:// URL; names are plain text")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"{who}: role is both, prefill or decode, got {self.role!r}")
         if self.role != "both" and not self.engine:
@@ -127,11 +139,21 @@ class PoolConfig:
     # Whether the pool serves /v1/embeddings. None: yes for a pool of external members only (our engine has none).
     embeddings: bool | None = None
 
+    __pydantic_config__ = _STRICT
+
     @property
     def disaggregated(self) -> bool:
         return any(u.role == "prefill" for u in self.upstreams)
 
     def __post_init__(self) -> None:
+        if not 0 < len(self.model) <= 256 or not _plain(self.model):
+            raise ValueError(f"pool {self.model!r}: model is 1-256 characters of plain text")
+        if self.capacity < 1 or self.max_queued < 0 or self.non_text_part_tokens < 0:
+            raise ValueError(f"pool {self.model}: capacity >= 1, max_queued >= 0, non_text_part_tokens >= 0")
+        if any(t is not None and not 0 < t < _FOREVER_S for t in (self.ttft_timeout_s, self.total_timeout_s)):
+            raise ValueError(f"pool {self.model}: timeouts are seconds > 0")
+        if (self.max_context is not None and self.max_context < 1) or not 0 < self.retry_backoff_s < _FOREVER_S:
+            raise ValueError(f"pool {self.model}: max_context >= 1 and 0 < retry_backoff_s")
         for i, upstream in enumerate(self.upstreams):
             upstream.name = upstream.name or f"{self.model}-{i}"
         names = [u.name for u in self.upstreams]
@@ -229,6 +251,27 @@ class EventsConfig:
 
 
 @dataclass
+class TracingConfig:
+    """OpenTelemetry traces of admitted requests (gateway/request/tracing.py), continuing a W3C `traceparent` the
+    client sent and passing one to each upstream hop; the trace id goes into the request's event. Off: tokenweir
+    imports nothing of opentelemetry."""
+
+    enabled: bool = False
+    service_name: str = "tokenweir-gateway"
+    # none: spans made (trace ids in events) but not exported; console: printed; otlp: OTLP/HTTP to `endpoint`
+    # (needs the opentelemetry-exporter-otlp-proto-http package; null endpoint: the OTEL_EXPORTER_OTLP_* env)
+    exporter: str = "none"
+    endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        # The name is checked always; the exporter's package when tracing is on, at load: a missing one stops the
+        # start with one line (the OTLP exporter is an optional package)
+        checked = self.enabled or self.exporter not in EXPORTERS
+        if checked and (error := exporter_error(self.exporter)) is not None:
+            raise ValueError(f"tracing: {error}")
+
+
+@dataclass
 class BundledEngineConfig:
     """The bundled engine that `tokenweir serve` starts as a child process."""
 
@@ -282,10 +325,41 @@ class VariantConfig:
     weight: float = 1.0
     name: str = ""  # what events and metrics call it; default: the pool's name
 
+    __pydantic_config__ = _STRICT
+
     def __post_init__(self) -> None:
         self.name = self.name or self.pool
-        if self.weight < 0:
-            raise ValueError(f"variant {self.name}: weight must be >= 0")
+        if not 0 <= self.weight < 1e12 or not _plain(self.name) or len(self.name) > 256:
+            raise ValueError(f"variant {self.name}: weight must be >= 0; name plain text of up to 256 characters")
+
+
+@dataclass
+class RolloutConfig:
+    """A canary rollout of an alias's variant: its share of the subjects (percent) steps up through `steps`, each
+    held at least `step_s` seconds, while over the last `window_s` seconds (with at least `min_requests` of each)
+    its error rate stays within `max_error_rate_delta` of the baseline variant's and its TTFT p95 and TPOT p95
+    within `max_ttft_p95_ratio` / `max_tpot_p95_ratio` times the baseline's. A breach sets its weight to 0 on every
+    replica (rolled back); passing the last step promotes it (100%). The baseline gets what the canary does not."""
+
+    canary: str  # variant names
+    baseline: str
+    steps: list[float] = field(default_factory=lambda: [5.0, 25.0, 50.0, 100.0])
+    step_s: float = 300.0
+    window_s: float = 120.0
+    min_requests: int = 20
+    max_error_rate_delta: float = 0.05
+    max_ttft_p95_ratio: float = 1.5
+    max_tpot_p95_ratio: float = 1.5
+
+    __pydantic_config__ = _STRICT
+
+    def __post_init__(self) -> None:
+        if not self.steps or any(not 0 <= s <= 100 for s in self.steps) or sorted(self.steps) != self.steps:
+            raise ValueError("rollout.steps: canary shares in percent, 0-100, in increasing order")
+        if self.step_s <= 0 or self.window_s <= 0 or self.min_requests < 1:
+            raise ValueError("rollout: step_s > 0, window_s > 0, min_requests >= 1")
+        if self.max_error_rate_delta < 0 or self.max_ttft_p95_ratio < 1 or self.max_tpot_p95_ratio < 1:
+            raise ValueError("rollout: max_error_rate_delta >= 0, max_ttft_p95_ratio >= 1, max_tpot_p95_ratio >= 1")
 
 
 @dataclass
@@ -298,6 +372,9 @@ class AliasConfig:
     model: str
     variants: list[VariantConfig] = field(default_factory=list)
     sticky: str = "key"
+    rollout: RolloutConfig | None = None  # a canary stepped up or rolled back by its indicators
+
+    __pydantic_config__ = _STRICT
 
     def __post_init__(self) -> None:
         if not self.variants or sum(v.weight for v in self.variants) <= 0:
@@ -307,6 +384,12 @@ class AliasConfig:
             raise ValueError(f"alias {self.model}: variant names must differ, got {names}")
         if self.sticky not in ("key", "user") and not (self.sticky.startswith("header:") and len(self.sticky) > 7):
             raise ValueError(f"alias {self.model}: sticky is key, user or header:NAME, got {self.sticky!r}")
+        r = self.rollout
+        if r is not None and (r.canary not in names or r.baseline not in names or r.canary == r.baseline):
+            raise ValueError(f"alias {self.model}: rollout.canary and rollout.baseline name two of its variants")
+
+    def variant(self, name: str) -> VariantConfig:
+        return next(v for v in self.variants if v.name == name)
 
 
 @dataclass
@@ -323,6 +406,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OpenTelemetry; off by default
     engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
     # The gateway's HTTP server, per connection: head size, field count and deadline, body pauses, idle
     # keep-alive, open connections per process (common/http/door_limits.py).
@@ -330,6 +414,8 @@ class GatewayConfig:
     default_max_tokens: int = 1024  # when neither the request nor the team's cap says
     max_body_bytes: int = 4 * 1024 * 1024
     load_poll_interval_s: float = 1.0
+    # How often each replica checks the store for pools and aliases changed through the admin API (or a rollout)
+    routing_poll_interval_s: float = 1.0
     auth_cache_ttl_s: float = 1.0
     usage_flush_interval_s: float = 2.0
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are cut (and billed)
@@ -341,16 +427,36 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("workers: at least 1")
-        pools = {p.model for p in self.pools}
-        for alias in self.aliases:
-            if alias.model in pools:
-                raise ValueError(f"alias {alias.model}: a pool has that name")
-            missing = [v.pool for v in alias.variants if v.pool not in pools]
-            if missing:
-                raise ValueError(f"alias {alias.model}: variants name pools that are not configured: {missing}")
+        if (error := routes_error(self.pools, self.aliases)) is not None:
+            raise ValueError(error)
 
     def pool(self, model: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.model == model), None)
+
+
+def _plain(text: str) -> bool:
+    """No control characters (names end up in logs, metric labels and a database that refuses NUL)."""
+    return not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+
+
+def routes_error(pools: list[PoolConfig], aliases: list[AliasConfig]) -> str | None:
+    """What makes these pools and aliases no routing table (a name that points nowhere, one name twice), or None."""
+    names = [p.model for p in pools]
+    if len(set(names)) != len(names):
+        return f"pools: two pools share a name: {names}"
+    known = set(names)
+    for p in pools:
+        refs = [*p.fallbacks, *p.context_window_fallbacks, *([p.shadow_pool] if p.shadow_pool else [])]
+        if missing := [m for m in refs if m not in known]:
+            return f"pool {p.model}: fallbacks or shadow_pool name pools that are not configured: {missing}"
+    for alias in aliases:
+        if alias.model in known:
+            return f"alias {alias.model}: a pool has that name"
+        if missing := [v.pool for v in alias.variants if v.pool not in known]:
+            return f"alias {alias.model}: variants name pools that are not configured: {missing}"
+    if len({a.model for a in aliases}) != len(aliases):
+        return "aliases: two aliases share a name"
+    return None
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -433,6 +539,12 @@ def _unwrap(tp):
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return next(a for a in typing.get_args(tp) if a is not type(None))
     return tp
+
+
+def parse_section(cls: type[T], data: dict, where: str = "") -> T:
+    """`data` (a mapping from YAML, TOML or JSON) as the config section `cls`, as strictly as the file is read:
+    an unknown key or a value of the wrong type is a ValueError naming it (prefixed by `where`)."""
+    return _build(cls, data, where)
 
 
 def _build(cls, data: dict, where: str):

@@ -54,6 +54,7 @@ class FakeUpstream:
     down: bool = False
     requests_seen: int = 0
     max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
+    ttft_ms: float = 0.0  # added to every answer's first-token delay (a slower model version)
     received: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (path, body)
 
     # --- counters for tests ---------------------------------------------------------------------------
@@ -106,6 +107,8 @@ class FakeUpstream:
             self.fail_next = max(0, self.fail_next - 1)
             return await _json(send, 503, _err("upstream down", "service_unavailable", "unavailable"))
         knobs = req.get("fake") or {}
+        if self.ttft_ms:
+            knobs = {**knobs, "ttft_ms": (knobs.get("ttft_ms") or 0) + self.ttft_ms}
         error = {"type": "invalid_request_error", "code": "injected", **(knobs.get("error") or {})}
         if knobs.get("status", 200) != 200:
             return await _json(send, knobs["status"], _err("injected", error["type"], error["code"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -11,13 +12,20 @@ from tokenweir.common.http.request_id import request_id_from
 from tokenweir.engine.api.auth import ApiKeyMiddleware
 from tokenweir.engine.api.errors import add_error_handlers
 from tokenweir.engine.api.routes import router
+from tokenweir.engine.api.tracing import TracingMiddleware
 from tokenweir.engine.core.async_engine import AsyncEngine
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
-def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+
+def build_app(
+    async_engine: AsyncEngine, api_key: str | None = None, tracer_provider: TracerProvider | None = None
+) -> FastAPI:
     """Under uvicorn, the lifespan starts and stops the engine loop; a test driving the app through
     httpx.ASGITransport (no lifespan) calls `async_engine.start()` itself. With `api_key`, every route but /health
-    and /metrics needs it as a bearer key (engine/api/auth.py)."""
+    and /metrics needs it as a bearer key (engine/api/auth.py). With a `tracer_provider`, generation requests are
+    traced (engine/api/tracing.py); without, tracing is off."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -31,6 +39,8 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="tokenweir engine", lifespan=lifespan)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if tracer_provider is not None:
+        app.add_middleware(TracingMiddleware, tracer_provider=tracer_provider)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a refused request still gets its id
     app.state.async_engine = async_engine  # what the routes' `Engine` dependency reads
     add_error_handlers(app)

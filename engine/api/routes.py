@@ -38,6 +38,7 @@ from tokenweir.engine.api.responses import (
     dump_response,
 )
 from tokenweir.engine.api.streaming import stream_response
+from tokenweir.engine.api.tracing import trace_request
 from tokenweir.engine.core.async_engine import AsyncEngine, RequestStream
 from tokenweir.engine.core.errors import RequestError
 from tokenweir.engine.core.output import RequestOutput
@@ -242,13 +243,15 @@ def start(
     """Hand the request to the engine under the id the middleware chose; a refusal names the prompt as the client
     sent it (`messages` for chat, `prompt` for a text completion)."""
     try:
-        return engine.add_request(request.state.request_id, prompt, body.sampling_params(), body.priority)
+        stream = engine.add_request(request.state.request_id, prompt, body.sampling_params(), body.priority)
     except RequestError as exc:
         if exc.param in ("prompt", "messages"):
             exc.param = prompt_param
         if exc.param == "response_format" and getattr(body, "tool_mode", None):  # the schema came from a tool
             exc.param = "tools"
         raise
+    trace_request(request.scope, stream)
+    return stream
 
 
 def whole_response(

@@ -8,6 +8,18 @@ from dataclasses import dataclass
 from tokenweir.engine.sched.sequence import TokenLogprob
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """When a finished request arrived, was first scheduled, got its first token and its last (time.monotonic();
+    None: it never got that far), for its trace's spans (engine/api/tracing.py). Its first choice's, except the
+    last token: the last of any choice."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one choice (`index`); `finished` once every choice of the request has, while `finish_reason`
@@ -31,6 +43,7 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     # a finished prefill hop's answer: where a decode engine fetches the prompt's KV (engine/kv_transfer/params.py)
     kv_transfer_params: dict | None = None
+    timings: RequestTimings | None = None  # on the request's finished output
 
     @property
     def usage(self) -> dict:

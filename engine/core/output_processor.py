@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenweir.common.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.core.output import RequestOutput, RequestTimings
 from tokenweir.engine.sched.scheduler import Scheduler
 from tokenweir.engine.sched.sequence import Sequence
 from tokenweir.engine.worker.sampler import Sampler
@@ -184,4 +184,15 @@ class OutputProcessor:
             num_draft_tokens=sum(s.num_draft_tokens for s in state.choices),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in state.choices),
             kv_transfer_params=state.choices[0].kv_transfer_params if finished else None,
+            timings=_timings(state.choices) if finished else None,
         )
+
+
+def _timings(choices: list[Sequence]) -> RequestTimings:
+    """A finished request's timings: its first choice's (the one that computed the prompt), with the last token of
+    any choice."""
+    first = choices[0]
+    last_tokens = [s.last_token_time for s in choices if s.last_token_time is not None]
+    return RequestTimings(
+        first.arrival_time, first.first_scheduled_time, first.first_token_time, max(last_tokens, default=None)
+    )

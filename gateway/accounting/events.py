@@ -81,6 +81,9 @@ FIELDS = (
     "kv_fetched_tokens",
     "kv_fetched_bytes",
     "kv_fetch_ms",
+    # the request's OpenTelemetry trace (32 hex characters, the client's own where it sent a traceparent); null
+    # with tracing off (config `tracing`)
+    "trace_id",
     "seq",
 )
 

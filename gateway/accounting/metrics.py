@@ -155,6 +155,19 @@ class Metrics:
             ["alias", "variant", "status"],
             registry=r,
         )
+        # Rollouts (an alias's canary): its share now, and each step, promotion and rollback
+        self.rollout_share = Gauge(
+            p + "rollout_canary_share",
+            "A rollout's canary share of the alias's subjects, in percent (0 once rolled back)",
+            ["alias", "variant"],
+            registry=r,
+        )
+        self.rollout_transitions = Counter(
+            p + "rollout_transitions",
+            "Rollout decisions this replica wrote: step, promoted, rolled_back",
+            ["alias", "variant", "to"],
+            registry=r,
+        )
         # Shadow traffic (a pool's shadow_pool): mirrored requests by outcome, their latency and tokens (billed to
         # no team), beside the pool's own e2e_seconds for the comparison.
         self.shadow_requests = Counter(

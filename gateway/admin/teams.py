@@ -38,6 +38,7 @@ from tokenweir.gateway.admin.models import (
     UsageOut,
     UsageTotals,
 )
+from tokenweir.gateway.admin.routing import router as routing_router
 from tokenweir.gateway.server.callers import require_admin
 from tokenweir.gateway.server.services import Services, ServicesDep
 from tokenweir.gateway.state.backend import StateUnavailable
@@ -158,6 +159,7 @@ async def team_state(team_id: TeamId, services: ServicesDep) -> TeamState:
 # --- keys: gateway.admin.keys (included here, so the OpenAPI document lists them between teams and usage) ------
 
 router.include_router(keys_router)
+router.include_router(routing_router)
 
 
 # --- usage ------------------------------------------------------------------------------------------------

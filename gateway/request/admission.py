@@ -40,13 +40,16 @@ from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedConte
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext, clip, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
+from tokenweir.gateway.request.queue import queue_for
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
+from tokenweir.gateway.request.tracing import gateway_tracing
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.policies import variants
 from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
@@ -74,6 +77,7 @@ class Admission:
         usage,
         outbox: StateOutbox | None,
         background: BackgroundTasks,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self.config, self.upstreams, self.state, self.queues = config, upstreams, state, queues
         self.background = background
@@ -83,12 +87,27 @@ class Admission:
         self.counters = TokenCounters(lambda: list(upstreams.pools), lambda m: upstreams.pools[m].cfg.tokenizer)
         self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
         self.settler = Settler(
-            upstreams, state, self.local, queues, client, events, metrics, usage, outbox, self.counters, background
+            upstreams,
+            state,
+            self.local,
+            queues,
+            client,
+            events,
+            metrics,
+            usage,
+            outbox,
+            self.counters,
+            background,
+            rollouts=rollouts,
         )
         self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
+        self.tracing = gateway_tracing(config.tracing)  # None when off
 
     async def handle(self, request: Request, principal, body: dict, kind: InferenceKind) -> Response:
         ctx = self.new_context(request, principal, body, kind)
+        if self.tracing is not None:  # from its arrival; its end (Settler.finish) ends its spans
+            ctx.trace = self.tracing.start(request, ctx, request_scope(request).t0)
+        ctx.routes = self.upstreams.routes
         end = RequestEnd(ctx, self.settler, self.background)  # the request's one end, whatever happens next
         request_scope(request).accounted = True  # so its event is the end's, not finish_unadmitted's
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
@@ -138,7 +157,7 @@ class Admission:
     def choose_variant(self, ctx: RequestContext, request: Request) -> None:
         """A request for an alias gets one of its variants (policies/variants.py), sticky per the alias's subject,
         or the one its `x-tokenweir-variant` header names; from here on `ctx.model` is that variant's pool."""
-        alias = self.upstreams.aliases.get(ctx.model)
+        alias = ctx.aliases.get(ctx.model)
         if alias is None:
             return
         names = [v.name for v in alias.variants]
@@ -161,7 +180,7 @@ class Admission:
         ctx.alias, ctx.variant, ctx.model = alias.model, variant.name, variant.pool
 
     def check_model(self, ctx: RequestContext) -> None:
-        if ctx.model not in self.upstreams.pools:
+        if ctx.model not in ctx.pools:
             raise APIError(
                 404,
                 f"The model '{ctx.model}' does not exist or you do not have access to it.",
@@ -173,7 +192,7 @@ class Admission:
             raise APIError(403, f"Your team may not use the model '{asked}'.", "model_not_allowed", param="model")
         if ctx.key_limits is not None and not ctx.key_limits.allows_model(asked):
             raise APIError(403, f"This API key may not use the model '{asked}'.", "model_not_allowed", param="model")
-        if ctx.kind == "embeddings" and not self.upstreams.pools[ctx.model].serves_embeddings:
+        if ctx.kind == "embeddings" and not ctx.pools[ctx.model].serves_embeddings:
             raise APIError(
                 400,
                 f"The model '{ctx.model}' does not serve embeddings; use /v1/embeddings with an embedding model.",
@@ -188,7 +207,7 @@ class Admission:
             ctx.prompt_tokens, ctx.longest_prompt = sum(counts), max(counts)
             ctx.prompts = len(counts) if ctx.kind == "completions" else 1
             return
-        pool = self.upstreams.pools[ctx.model].cfg
+        pool = ctx.pools[ctx.model].cfg
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
         part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
         try:
@@ -214,7 +233,7 @@ class Admission:
         # max_completion_tokens): the tightest one bounds the reservation.
         bounds = [k for k in _LENGTH_FIELDS[ctx.kind] if body.get(k) is not None]
         requested = min((body[k] for k in bounds), default=None)
-        pool = self.upstreams.pools[ctx.model]
+        pool = ctx.pools[ctx.model]
 
         def caps(context_window: int | None) -> CapResult:
             return apply_caps(
@@ -229,7 +248,7 @@ class Admission:
         cap = caps(pool.max_model_len)
         if cap.error is not None and cap.error.what == "context":  # a pool with a longer context may take it
             for longer in pool.cfg.context_window_fallbacks:
-                fits = caps(self.upstreams.pools[longer].max_model_len)
+                fits = caps(ctx.pools[longer].max_model_len)
                 if fits.error is None:
                     cap, ctx.context_fallback = fits, longer
                     break
@@ -254,7 +273,7 @@ class Admission:
     async def reserve(self, ctx: RequestContext) -> None:
         # Any hop of the route plan may serve it (the pool's own instances, then its fallbacks'), and the bill is at
         # the serving pool's prices: hold the dearest, or a cheap primary that is down lets a budget be overrun.
-        pools = self.upstreams.pools
+        pools = ctx.pools
         assert ctx.max_tokens is not None  # apply_caps set it
         target = ctx.context_fallback or ctx.model
         plan = [target, *pools[target].cfg.fallbacks]
@@ -332,11 +351,16 @@ class Admission:
 
     async def enter_queue(self, ctx: RequestContext) -> None:
         timeout = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s
+        if ctx.trace is not None:
+            ctx.trace.phase("queue")
         try:
-            ctx.ticket = await self.queues[ctx.model].acquire(ctx.team_id, ctx.priority, ctx.limits.weight, timeout)
+            queue = queue_for(self.queues, ctx.pools[ctx.model].cfg)
+            ctx.ticket = await queue.acquire(ctx.team_id, ctx.priority, ctx.limits.weight, timeout)
         except Rejected as r:
             raise _api_error(r) from None
         ctx.queue_s = ctx.ticket.queue_s
+        if ctx.trace is not None:
+            ctx.trace.end_phase()
 
 
 def _api_error(r: Rejected) -> APIError:

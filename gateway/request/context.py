@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
     from tokenweir.gateway.auth.authenticator import Principal
+    from tokenweir.gateway.config import AliasConfig
     from tokenweir.gateway.request.queue import Ticket
-    from tokenweir.gateway.upstream.pools import Hop
+    from tokenweir.gateway.request.tracing import RequestTrace
+    from tokenweir.gateway.upstream.pools import Hop, Pool, Routes
     from tokenweir.policies.reservation import Reservation
 
 # Client strings copied into events, logs and metric labels are cut to this many characters.
@@ -106,6 +108,8 @@ class RequestRecord:
     # pool is `model`)
     alias: str | None = None
     variant: str | None = None
+    # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
+    trace: RequestTrace | None = None
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -149,6 +153,17 @@ class RequestContext(RequestRecord):
     kv_transfer_params: dict | None = None
     ttft_clock: float | None = None
     prefill_pin: tuple[Hop, str] | None = None  # the prefill hop that holds the KV, and its upstream request id
+    routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
+
+    @property
+    def pools(self) -> dict[str, Pool]:
+        assert self.routes is not None  # set first thing at admission
+        return self.routes.pools
+
+    @property
+    def aliases(self) -> dict[str, AliasConfig]:
+        assert self.routes is not None
+        return self.routes.aliases
 
     @classmethod
     def admitted(cls, request_id: str, principal: Principal, body: dict, kind: InferenceKind) -> RequestContext:

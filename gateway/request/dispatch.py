@@ -18,7 +18,7 @@ from starlette.types import Send
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.config import GatewayConfig
+from tokenweir.gateway.config import GatewayConfig, PoolConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
 from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
 from tokenweir.gateway.request import relay
@@ -27,7 +27,7 @@ from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
-from tokenweir.gateway.upstream.pools import Hop, Upstreams
+from tokenweir.gateway.upstream.pools import Hop, Pool, Upstreams
 
 SHADOWS_IN_FLIGHT = 64  # mirrored requests out at once, per process: past it a sampled request is not mirrored
 
@@ -49,15 +49,15 @@ class Dispatcher:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
         prompt's block hashes for the prefix index."""
         target = ctx.context_fallback or ctx.model  # the pool whose context fits the prompt
-        pool = self.upstreams.pools[target]
+        pool = ctx.pools[target]
         token_ids = None
         if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
             token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
-        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model)
+        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
-            hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
+            hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         elif pool.prefill_members:
-            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids)
+            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids, ctx.routes)
         ctx.route_reason = why.as_dict()
         if ctx.context_fallback is not None:
             ctx.route_reason["context_window_fallback"] = ctx.context_fallback
@@ -82,7 +82,7 @@ class Dispatcher:
                 limit = self.timeouts(ctx)[0]
                 raise APIError(504, f"The upstream did not send a first token within {limit:g}s.", "timeout")
         last = "every instance's circuit is open"
-        for attempt in range(1 + self.upstreams.pools[ctx.model].cfg.retries):
+        for attempt in range(1 + ctx.pools[ctx.model].cfg.retries):
             if attempt:
                 if not await self.back_off(ctx, attempt):
                     break
@@ -105,7 +105,7 @@ class Dispatcher:
     def maybe_shadow(self, ctx: RequestContext) -> None:
         """Mirror the request to its pool's shadow pool, if it is in the sampled fraction: in the background, and
         only while fewer than SHADOWS_IN_FLIGHT mirrors are out (past that, dropped: counted, never queued)."""
-        pool = self.upstreams.pools[ctx.model].cfg
+        pool = ctx.pools[ctx.model].cfg
         if pool.shadow_pool is None or ctx.kind == "embeddings" or random.random() >= pool.shadow_fraction:
             return
         if self.shadows_in_flight >= SHADOWS_IN_FLIGHT:
@@ -113,19 +113,21 @@ class Dispatcher:
             return
         body = {k: v for k, v in ctx.body.items() if k not in ("stream", "stream_options")}
         self.shadows_in_flight += 1
-        self.settler.background.spawn(self.shadow(ctx.model, pool.shadow_pool, ctx.kind, body))
+        self.settler.background.spawn(self.shadow(ctx.model, ctx.pools, ctx.kind, body))
 
-    async def shadow(self, model: str, shadow: str, kind: InferenceKind, body: dict) -> None:
+    async def shadow(self, model: str, pools: dict[str, Pool], kind: InferenceKind, body: dict) -> None:
         """One mirrored request, non-stream, under the pool's total timeout; what it made is counted in the
         shadow metrics only."""
         status, started = "error", time.perf_counter()
-        members = self.upstreams.pools[shadow].ranked(time.monotonic())
+        shadow = pools[model].cfg.shadow_pool
+        assert shadow is not None  # maybe_shadow mirrors only to one
+        members = pools[shadow].ranked(time.monotonic())
         hop = Hop(shadow, members[0], shadow) if members else None
         try:
             if hop is None:
                 return  # every member's circuit is open
             hop.instance.take(time.monotonic())
-            deadline = asyncio.get_running_loop().time() + self.pool_timeouts(model)[1]
+            deadline = asyncio.get_running_loop().time() + self.pool_timeouts(pools[model].cfg)[1]
             ok = False
             try:
                 answer, _ = await relay.call_json(
@@ -157,6 +159,8 @@ class Dispatcher:
         ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
         ctx.served_model, ctx.model_revision = hop.model, hop.instance.revision
         ctx.upstream_id = "tw-" + random_hex()
+        if ctx.trace is not None:
+            ctx.trace.start_hop("hop", hop)
         self.settler.dispatched(ctx, hop)  # journaled: a worker killed from here on still bills what it made
         hop.instance.take(time.monotonic())
         self.upstreams.record(hop, hashes)
@@ -175,6 +179,8 @@ class Dispatcher:
                 usage = (answer or {}).get("usage") or {}
                 ctx.spilled_prompt_tokens += int(usage.get("prompt_tokens") or 0)
                 ctx.spilled_completion_tokens += int(usage.get("completion_tokens") or 0)
+            if ctx.trace is not None:
+                ctx.trace.end_hop("failed", str(e))
             self.settler.release_hop(ctx, ok=False)
             await end.drop_stream()  # its usage, if any, is in `spilled` now
             return str(e)
@@ -188,6 +194,8 @@ class Dispatcher:
                 ctx.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
                 ctx.usage_source = "engine_abort"
             await end.drop_stream()
+            if ctx.trace is not None:
+                ctx.trace.end_hop("rejected", f"{hop.label}: HTTP {e.status}")
             ctx.outcome.decide("error", "upstream_rejected", e.status)
             return Response(e.body, e.status, media_type="application/json")
 
@@ -195,7 +203,7 @@ class Dispatcher:
         """Wait before retry `attempt` (exponential, with jitter: replicas that failed together do not come back
         together); False, without waiting, if the wait would pass the request's deadline (its first token's, for a
         stream)."""
-        pool = self.upstreams.pools[ctx.model].cfg
+        pool = ctx.pools[ctx.model].cfg
         delay = pool.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)
         loop = asyncio.get_running_loop()
         deadline = self.first_token_deadline(ctx) if ctx.stream else ctx.deadline_base + self.timeouts(ctx)[1]
@@ -206,9 +214,9 @@ class Dispatcher:
 
     def retry_plan(self, ctx: RequestContext) -> list[Hop]:
         """The route plan again, ranked by load now (the prompt's prefix home failed a moment ago)."""
-        hops, _, _ = self.upstreams.route(ctx.context_fallback or ctx.model, None, ctx.model)
+        hops, _, _ = self.upstreams.route(ctx.context_fallback or ctx.model, None, ctx.model, ctx.routes)
         if ctx.kind == "embeddings":
-            hops = [h for h in hops if self.upstreams.pools[h.model].serves_embeddings]
+            hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         return hops
 
     async def prefill(self, ctx: RequestContext, hashes: list[int]) -> None:
@@ -228,16 +236,26 @@ class Dispatcher:
             started, failed = time.perf_counter(), False
             upstream_id = "tw-" + random_hex()
             hop.instance.take(time.monotonic())
+            traceparent = None
+            if ctx.trace is not None:
+                ctx.trace.start_hop("prefill_hop", hop)
+                traceparent = ctx.trace.hop_traceparent
             try:
-                answer, _ = await relay.call_json(self.client, hop, KIND_PATHS[ctx.kind], body, upstream_id, deadline)
+                answer, _ = await relay.call_json(
+                    self.client, hop, KIND_PATHS[ctx.kind], body, upstream_id, deadline, traceparent
+                )
             except (relay.UpstreamFailed, TimeoutError) as e:
                 failed = True
                 ctx.upstream_error = f"prefill {hop.where}: {e or 'timed out'}"
+                if ctx.trace is not None:
+                    ctx.trace.end_hop("failed", str(e) or f"{hop.label}: timed out")
                 self.stop_prefill(hop, upstream_id)
                 if loop.time() >= deadline:
                     break
                 continue
             except relay.UpstreamRejected:
+                if ctx.trace is not None:
+                    ctx.trace.end_hop("rejected")
                 return  # the request itself is refused: the decode hop answers the client why
             except asyncio.CancelledError:  # the client went away (or the server stops): the engine stops too
                 self.stop_prefill(hop, upstream_id)
@@ -245,7 +263,10 @@ class Dispatcher:
             finally:
                 hop.instance.done(not failed, time.monotonic())
             params = answer.get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("do_remote_prefill"):
+            kept = isinstance(params, dict) and params.get("do_remote_prefill")
+            if ctx.trace is not None:
+                ctx.trace.end_hop("ok" if kept else "no_kv")
+            if kept:
                 ctx.kv_transfer_params, ctx.prefill_instance = params, hop.label
                 ctx.prefill_pin = (hop, upstream_id)
                 ctx.prefill_s = time.perf_counter() - started
@@ -281,14 +302,14 @@ class Dispatcher:
             self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
     def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
-        return self.pool_timeouts(ctx.model, ctx.limits.ttft_timeout_s, ctx.limits.total_timeout_s)
+        return self.pool_timeouts(ctx.pools[ctx.model].cfg, ctx.limits.ttft_timeout_s, ctx.limits.total_timeout_s)
 
     def pool_timeouts(
-        self, model: str, team_ttft: float | None = None, team_total: float | None = None
+        self, pool: PoolConfig, team_ttft: float | None = None, team_total: float | None = None
     ) -> tuple[float, float]:
-        """TTFT and total limits of a request to pool `model`: the tighter of its team's and the pool's, else the
+        """TTFT and total limits of a request to `pool`: the tighter of its team's and the pool's, else the
         gateway's (a shadow request has no team)."""
-        pool, t = self.upstreams.pools[model].cfg, self.config.timeouts
+        t = self.config.timeouts
         ttft = _tightest(team_ttft, pool.ttft_timeout_s) or t.ttft_s
         total = _tightest(team_total, pool.total_timeout_s) or t.total_s
         return ttft, total
@@ -296,7 +317,7 @@ class Dispatcher:
     def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
         """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
         be routed around, but a team's tighter limit says nothing about the instance other teams share."""
-        pool, defaults = self.upstreams.pools[ctx.model].cfg, self.config.timeouts
+        pool, defaults = ctx.pools[ctx.model].cfg, self.config.timeouts
         team_limit = getattr(ctx.limits, f"{kind}_timeout_s")
         pool_limit = getattr(pool, f"{kind}_timeout_s") or getattr(defaults, f"{kind}_s")
         return not team_limit or team_limit >= pool_limit
@@ -315,7 +336,13 @@ class Dispatcher:
         body = self.upstream_body(ctx, hop)
         try:
             obj, raw = await relay.call_json(
-                self.client, hop, KIND_PATHS[ctx.kind], body, ctx.upstream_id, ctx.deadline_base + total
+                self.client,
+                hop,
+                KIND_PATHS[ctx.kind],
+                body,
+                ctx.upstream_id,
+                ctx.deadline_base + total,
+                ctx.trace.hop_traceparent if ctx.trace is not None else None,
             )
         except TimeoutError:
             ctx.outcome.decide("timeout", "total_timeout", 504)
@@ -359,7 +386,13 @@ class Dispatcher:
         first: list[bytes] = []
         try:
             sse = await relay.open_stream(
-                self.client, hop, KIND_PATHS[ctx.kind], self.upstream_body(ctx, hop), ctx.upstream_id, first_deadline
+                self.client,
+                hop,
+                KIND_PATHS[ctx.kind],
+                self.upstream_body(ctx, hop),
+                ctx.upstream_id,
+                first_deadline,
+                ctx.trace.hop_traceparent if ctx.trace is not None else None,
             )
             stream = end.stream = relay.HopStream(sse, chunks)  # from now on whoever ends the request closes it
             while chunks.first_token_at is None and not chunks.done:
@@ -396,6 +429,8 @@ class Dispatcher:
         chunks, sse = stream.chunks, stream.sse
         assert sse is not None and ctx.hop is not None  # open_stream opened it for this hop
         tail = b""
+        if ctx.trace is not None:  # a client gone mid-stream: the request's end ends the phase
+            ctx.trace.phase("relay")
         try:
             await send({"type": "http.response.body", "body": b"".join(first), "more_body": True})
             pending: list[bytes] = []  # events that arrived together leave together: one write, not several
@@ -431,6 +466,8 @@ class Dispatcher:
                 )
             ctx.upstream_end = time.perf_counter()
             await send({"type": "http.response.body", "body": b"".join(pending) + tail, "more_body": False})
+            if ctx.trace is not None:
+                ctx.trace.end_phase()
             return True
         except OSError:
             return False

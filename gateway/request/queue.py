@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenweir.gateway.config import PoolConfig
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import PRIORITY_STANDARD
 from tokenweir.policies.priority import StrideScheduler, band_of, pick_displaced
@@ -234,6 +235,18 @@ class DispatchQueue:
                 continue
             self._grant(waiter.ticket)
             waiter.future.set_result(waiter.ticket)
+
+
+def queue_for(queues: dict[str, DispatchQueue], pool: PoolConfig) -> DispatchQueue:
+    """The pool's queue in `queues` (a pool added at run time gets one now), sized as its settings say now: a queue
+    outlives its pool's changes and removal (tickets out are given back to it)."""
+    queue = queues.get(pool.model)
+    if queue is None:
+        queue = queues[pool.model] = DispatchQueue(pool.capacity, pool.max_queued)
+    elif queue.capacity != pool.capacity:
+        queue.set_capacity(pool.capacity)
+    queue.max_queued = pool.max_queued
+    return queue
 
 
 def _dec(counts: dict[str, int], key: str) -> None:

@@ -100,8 +100,11 @@ def make_client(connect_s: float = 5.0) -> UpstreamClient:
     return UpstreamClient(connect_timeout_s=connect_s)
 
 
-def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tuple[str, bytes, dict]:
-    """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk."""
+def upstream_request(
+    hop: Hop, body: dict, request_id: str, stream: bool, traceparent: str | None = None
+) -> tuple[str, bytes, dict]:
+    """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk; with
+    tracing, the W3C `traceparent` of the hop's span (gateway/request/tracing.py), which the upstream continues."""
     inst = hop.instance
     out = dict(body)
     out["model"] = inst.upstream_model(hop.model)
@@ -111,12 +114,22 @@ def upstream_request(hop: Hop, body: dict, request_id: str, stream: bool) -> tup
             opts["continuous_usage_stats"] = True
         out["stream_options"] = opts
     headers = {"content-type": "application/json", "x-request-id": request_id, **inst.auth_headers()}
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
     return inst.cfg.base_url, orjson.dumps(out), headers
 
 
-async def call_json(client: UpstreamClient, hop: Hop, path: str, body: dict, request_id: str, deadline: float):
+async def call_json(
+    client: UpstreamClient,
+    hop: Hop,
+    path: str,
+    body: dict,
+    request_id: str,
+    deadline: float,
+    traceparent: str | None = None,
+):
     """Non-stream request -> (parsed JSON, raw body). TimeoutError past the deadline."""
-    base, content, headers = upstream_request(hop, body, request_id, stream=False)
+    base, content, headers = upstream_request(hop, body, request_id, False, traceparent)
     async with asyncio.timeout_at(deadline):
         try:
             r = await client.request("POST", base + path, content, headers)
@@ -203,10 +216,16 @@ class HopStream:
 
 
 async def open_stream(
-    client: UpstreamClient, hop: Hop, path: str, body: dict, request_id: str, deadline: float
+    client: UpstreamClient,
+    hop: Hop,
+    path: str,
+    body: dict,
+    request_id: str,
+    deadline: float,
+    traceparent: str | None = None,
 ) -> SSEStream:
     """Send a stream request and wait for a 200 and its headers."""
-    base, content, headers = upstream_request(hop, body, request_id, stream=True)
+    base, content, headers = upstream_request(hop, body, request_id, True, traceparent)
     async with asyncio.timeout_at(deadline):
         try:
             response = await client.request("POST", base + path, content, headers)

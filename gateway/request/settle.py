@@ -37,6 +37,7 @@ from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailabl
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.policies.budget import day_key
 from tokenweir.policies.pricing import femtos_to_usd
 
@@ -60,8 +61,10 @@ class Settler:
         counter: Callable[[str], TokenCounter],
         background: BackgroundTasks,
         journal: InflightJournal | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
+        self.rollouts = rollouts  # judges aliases' canaries by their requests' outcomes
         self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
         self.outbox, self.counter, self.background = outbox, counter, background
         # What each running request took and where it went, for a restart after this process dies (not opened:
@@ -97,6 +100,8 @@ class Settler:
             self.metrics.in_flight.labels(ctx.model).dec()
             ctx.upstream_error = ctx.hop.error or ctx.upstream_error
             ctx.hop = None
+            if ctx.trace is not None:  # the request's own outcome where it ended on this hop
+                ctx.trace.end_hop(ctx.outcome.status if ctx.outcome.decided else "ok" if ok else "failed")
 
     async def finish(self, ctx: RequestContext, stream: relay.HopStream | None) -> None:
         """The end of an admitted request (its RequestEnd's one call): `stream` is its last hop's upstream stream,
@@ -150,12 +155,15 @@ class Settler:
         except Exception:  # noqa: BLE001 - the journal's line below must still be written
             log.exception("finish_step_failed", step="record")
         self._guard(self.journal.done, ctx)  # right after the usage row, no await between: see InflightJournal.done
+        if ctx.trace is not None:
+            self._guard(ctx.trace.finish, ctx.outcome, prompt, completion)
 
     def cost(self, ctx: RequestRecord, prompt: int, completion: int, cached: int) -> int | None:
         """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
         never rounded per request, so the state's spend, the usage rows and the events all sum exactly."""
         model = ctx.served_model or ctx.model
-        pool = self.upstreams.pools.get(model) if model is not None else None
+        routes = getattr(ctx, "routes", None) or self.upstreams.routes  # a journal's record has no table: today's
+        pool = routes.pools.get(model) if model is not None else None
         prices = pool.cfg.prices if pool is not None else None
         return None if prices is None else prices.cost_femtos(prompt, completion, cached)
 
@@ -338,6 +346,7 @@ class Settler:
             "client_disconnected": ctx.outcome.disconnected,
             "user": ctx.user,
             "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
+            "trace_id": ctx.trace.trace_id if ctx.trace is not None else None,
         }
         if ctx.prefill_instance is not None:
             event["prefill_instance"], event["prefill_ms"] = ctx.prefill_instance, _ms(ctx.prefill_s)
@@ -356,6 +365,7 @@ class Settler:
         m.requests.labels(ctx.team_id or "none", model, outcome.status).inc()
         if ctx.alias is not None:
             m.variant_requests.labels(ctx.alias, ctx.variant, outcome.status).inc()
+            self.observe_variant(ctx, tpot)
         if outcome.status == "rejected":
             m.rejections.labels(outcome.reason or "unknown").inc()
         if prompt or completion:
@@ -390,6 +400,19 @@ class Settler:
                 http_status=outcome.http_status,
             )
         return event
+
+    def observe_variant(self, ctx: RequestRecord, tpot: float | None) -> None:
+        """A canary is judged by what its own pool did: a request another pool served (a fallback) failed there."""
+        status = ctx.outcome.status
+        if (
+            self.rollouts is None
+            or ctx.alias is None
+            or ctx.variant is None
+            or status not in ("ok", "error", "timeout")
+        ):
+            return  # refused or cancelled: says nothing about the variant
+        ok = status == "ok" and ctx.served_model == ctx.model
+        self.rollouts.observe(ctx.alias, ctx.variant, ok, ctx.ttft_s if ok else None, tpot if ok else None)
 
 
 # the event's names for what a decode hop's kv_transfer_params say it fetched (engine/kv_transfer/params.py)

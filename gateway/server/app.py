@@ -49,8 +49,11 @@ from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.repair import StateWatch
+from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.gateway.upstream.rollouts import Rollouts
+from tokenweir.gateway.upstream.routing_sync import RoutingSync
 from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
 from tokenweir.policies.pricing import usd_to_femtos
 
@@ -86,7 +89,12 @@ def create_app(
         client = relay.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         background = BackgroundTasks()
-        admission = Admission(config, upstreams, state, queues, client, events, metrics, usage, outbox, background)
+        routing = RoutingSync(upstreams, st, config.pools, config.aliases)
+        decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
+        rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
+        admission = Admission(
+            config, upstreams, state, queues, client, events, metrics, usage, outbox, background, rollouts
+        )
         app.state.services = services = Services(
             config=config,
             upstreams=upstreams,
@@ -101,6 +109,8 @@ def create_app(
             outbox=outbox,
             admission=admission,
             background=background,
+            routing=routing,
+            rollouts=rollouts,
         )
         if on_started is not None:
             on_started(services)
@@ -126,6 +136,10 @@ def create_app(
         await usage.start()
         await outbox.start()
         upstreams.start(client)
+        with contextlib.suppress(*DB_ERRORS):  # the store away: the config's table until it answers
+            await routing.refresh(force=True)
+        routing.start(config.routing_poll_interval_s)
+        rollouts.start(config.routing_poll_interval_s)
         log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
         try:
             yield
@@ -134,6 +148,10 @@ def create_app(
             if seeding is not None:
                 seeding.cancel()
                 await asyncio.gather(seeding, return_exceptions=True)
+            await rollouts.close()
+            if admission.tracing is not None:  # what its exporter still holds goes out now
+                await asyncio.to_thread(admission.tracing.provider.shutdown)
+            await routing.close()
             await upstreams.close()
             await outbox.close()
             await usage.close()

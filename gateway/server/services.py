@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from tokenweir.gateway.store.store import Store
     from tokenweir.gateway.upstream.client import UpstreamClient
     from tokenweir.gateway.upstream.pools import Upstreams
+    from tokenweir.gateway.upstream.rollouts import Rollouts
+    from tokenweir.gateway.upstream.routing_sync import RoutingSync
 
 
 @dataclass(slots=True, eq=False)
@@ -44,6 +46,8 @@ class Services:
     outbox: StateOutbox
     admission: Admission
     background: BackgroundTasks  # what cancelled requests still run (their settle): shutdown waits for it
+    routing: RoutingSync  # runtime pools and aliases: the store's, applied here
+    rollouts: Rollouts  # aliases' canaries judged on this replica's traffic
 
     @classmethod
     def partial(cls, **given: Any) -> Services:

@@ -41,6 +41,7 @@ from tokenweir.gateway.store.records import (
     write_key_limits,
     write_limits,
 )
+from tokenweir.gateway.store.routing import RoutingQueries
 from tokenweir.gateway.store.usage import UsageQueries, UsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
@@ -64,8 +65,9 @@ class Conflict(StoreError):
     pass
 
 
-class Store(UsageQueries):
-    """Teams, limits and keys here; the usage rows' writes and reads come from `UsageQueries`."""
+class Store(UsageQueries, RoutingQueries):
+    """Teams, limits and keys here; the usage rows' writes and reads come from `UsageQueries`, the run-time pools'
+    and aliases' from `RoutingQueries`."""
 
     def __init__(self, connect: Any, postgres: bool, pepper: bytes | None) -> None:
         self._connect = connect

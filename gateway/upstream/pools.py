@@ -9,16 +9,25 @@ byte; the hops it tried end up in the request's event as `route`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tokenweir.common.logging import get_logger
 from tokenweir.common.text import prefix_hash
-from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.config import (
+    AliasConfig,
+    BreakerConfig,
+    GatewayConfig,
+    PoolConfig,
+    UpstreamConfig,
+    routes_error,
+)
 from tokenweir.gateway.upstream.client import UpstreamClient, request_json
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies import routing
+from tokenweir.policies.canary import RolloutState
 
 if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics
@@ -58,6 +67,16 @@ class Instance:
         self.revision = revision
         self._report_revision()
 
+    def forget_metrics(self) -> None:
+        """It left the routing table: its gauges go (counters stay: a series that stops is what Prometheus expects)."""
+        if self.metrics is None:
+            return
+        with contextlib.suppress(KeyError):
+            self.metrics.circuit_state.remove(self.model, self.name)
+        if self.revision is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.model_info.remove(self.model, self.name, self.revision)
+
     def _report_revision(self) -> None:
         if self.metrics is not None and self.revision is not None:
             self.metrics.model_info.labels(self.model, self.name, self.revision).set(1)
@@ -86,8 +105,9 @@ class Instance:
         return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
 
     def available(self, now: float) -> bool:
-        """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe)."""
-        if self.down_since is not None:
+        """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe). Never
+        while draining (those it serves finish; it takes no new ones)."""
+        if self.down_since is not None or self.cfg.draining:
             return False
         if self.opened_at is None:
             return True
@@ -162,6 +182,9 @@ class Pool:
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.cfg.prefix_index_entries)
+        self.adopt_members()
+
+    def adopt_members(self) -> None:
         for inst in self.instances:
             inst.index = self.index
         self.serving = [i for i in self.instances if i.cfg.role != "prefill"]
@@ -170,6 +193,9 @@ class Pool:
     @property
     def model(self) -> str:
         return self.cfg.model
+
+    def member(self, name: str) -> Instance | None:
+        return next((i for i in self.instances if i.name == name), None)
 
     @property
     def serves_embeddings(self) -> bool:
@@ -254,21 +280,100 @@ class Hop:
             self.instance.metrics.fallbacks.labels(self.requested, self.model).inc()
 
 
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """One routing table: the pools and aliases by public name. A change makes a new table; a request keeps the one
+    it was admitted under to its end (a pool removed meanwhile still serves it)."""
+
+    pools: dict[str, Pool]
+    aliases: dict[str, AliasConfig]  # as requests see them: a rollout's weights applied
+    version: int = 0  # the store's routing version it reflects (0: the config file alone)
+    # What the admin API and the rollout controller read: the aliases as declared, their rollouts' states, and
+    # each stored entry's version ((kind, name) -> version; absent: only the config file declares it)
+    declared: dict[str, AliasConfig] = field(default_factory=dict)
+    rollouts: dict[str, RolloutState] = field(default_factory=dict)
+    entry_versions: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
 class Upstreams:
     def __init__(self, config: GatewayConfig, metrics: Metrics | None = None) -> None:
-        self.pools: dict[str, Pool] = {}
-        self.aliases = {a.model: a for a in config.aliases}  # public names over weighted variants (pools)
-        for pc in config.pools:
-            self.pools[pc.model] = Pool(pc, [Instance(u, config.breaker, model=pc.model) for u in pc.upstreams])
+        self.breaker = config.breaker
+        self.metrics = metrics
+        pools = {pc.model: Pool(pc, [self._instance(u, pc.model) for u in pc.upstreams]) for pc in config.pools}
+        assert routes_error(config.pools, config.aliases) is None  # GatewayConfig checked it
+        self.routes = Routes(pools, {a.model: a for a in config.aliases}, declared={a.model: a for a in config.aliases})
         self.attach_metrics(metrics)
-        for pc in config.pools:
-            for fb in [*pc.fallbacks, *pc.context_window_fallbacks, *([pc.shadow_pool] if pc.shadow_pool else [])]:
-                assert fb in self.pools, f"pool {pc.model}: fallback {fb!r} is not a configured pool"
         self.poll_interval_s = config.load_poll_interval_s
         self._poller: asyncio.Task | None = None
+        self._client: UpstreamClient | None = None
+
+    @property
+    def pools(self) -> dict[str, Pool]:
+        return self.routes.pools
+
+    @property
+    def aliases(self) -> dict[str, AliasConfig]:  # public names over weighted variants (pools)
+        return self.routes.aliases
+
+    def _instance(self, cfg: UpstreamConfig, model: str) -> Instance:
+        return Instance(cfg, self.breaker, model=model, metrics=self.metrics)
+
+    def apply(
+        self,
+        pools: list[PoolConfig],
+        aliases: list[AliasConfig],
+        version: int,
+        *,
+        declared: list[AliasConfig] | None = None,
+        rollouts: dict[str, RolloutState] | None = None,
+        entry_versions: dict[tuple[str, str], int] | None = None,
+    ) -> None:
+        """Swap in a new routing table (validated: `routes_error` is None). What did not change keeps its state: a
+        pool whose settings are equal stays as it is; a member whose settings are equal but for `draining` keeps its
+        load, circuit, in-flight count and cached prefixes. Requests in flight keep the table they started with."""
+        assert routes_error(pools, aliases) is None
+        old = self.routes.pools
+        new: dict[str, Pool] = {}
+        for pc in pools:
+            prev = old.get(pc.model)
+            if prev is not None and prev.cfg == pc:
+                new[pc.model] = prev
+                continue
+            members = []
+            for u in pc.upstreams:
+                inst = prev.member(u.name) if prev is not None else None
+                if inst is not None and replace(inst.cfg, draining=u.draining) == u:
+                    inst.cfg = u
+                else:
+                    inst = self._instance(u, pc.model)
+                    inst._report()
+                members.append(inst)
+            pool = Pool(pc, members)
+            if prev is not None:
+                pool.turn = prev.turn
+                if prev.cfg.prefix_index_entries == pc.prefix_index_entries:
+                    pool.index = prev.index
+                    pool.adopt_members()
+            new[pc.model] = pool
+        kept = {id(i) for p in new.values() for i in p.instances}
+        for pool in old.values():
+            for inst in pool.instances:
+                if id(inst) not in kept:
+                    inst.forget_metrics()
+        self.routes = Routes(
+            new,
+            {a.model: a for a in aliases},
+            version,
+            {a.model: a for a in (aliases if declared is None else declared)},
+            rollouts or {},
+            entry_versions or {},
+        )
+        if self._client is not None and self._poller is None:
+            self.start(self._client)
 
     def attach_metrics(self, metrics: Metrics | None) -> None:
         """Per-instance circuit state, failures, hops, fallbacks and revision go to `metrics` from now on."""
+        self.metrics = metrics
         for pool in self.pools.values():
             for inst in pool.instances:
                 inst.metrics = metrics
@@ -282,26 +387,34 @@ class Upstreams:
         return self.route(model)[0]
 
     def route(
-        self, model: str, token_ids: list[int] | None = None, requested: str | None = None
+        self,
+        model: str,
+        token_ids: list[int] | None = None,
+        requested: str | None = None,
+        routes: Routes | None = None,
     ) -> tuple[list[Hop], routing.RouteReason, list[int]]:
         """The route plan of pool `model` (for a request of `requested`, default `model`: another one makes every
-        hop a fallback hop), why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
+        hop a fallback hop) in `routes` (default: the current table), why its first hop, and the prompt's block
+        hashes (to `record` once a hop is taken)."""
         now = time.monotonic()
         requested = requested or model
-        pool = self.pools[model]
+        pools = (routes or self.routes).pools
+        pool = pools[model]
         ranked, why, hashes = pool.route(now, token_ids)
         hops = [Hop(model, i, requested) for i in ranked]
         # A disaggregated pool whose decode members all fail: its prefill members answer whole requests (the prompt
         # likely in their cache from the prefill hop) before another pool is asked.
         hops += [Hop(model, i, requested) for i in pool.ranked(now, pool.prefill_members)]
         for fb in pool.cfg.fallbacks:
-            hops += [Hop(fb, i, requested) for i in self.pools[fb].ranked(now)]
+            hops += [Hop(fb, i, requested) for i in pools[fb].ranked(now)]
         return hops, why, hashes
 
-    def prefill_route(self, model: str, token_ids: list[int] | None) -> tuple[list[Hop], list[int]]:
+    def prefill_route(
+        self, model: str, token_ids: list[int] | None, routes: Routes | None = None
+    ) -> tuple[list[Hop], list[int]]:
         """A disaggregated pool's prefill members, in the order to try them (where the prompt's prefix is cached
         first: that cache is the one that saves work), and the prompt's block hashes."""
-        ranked, _, hashes = self.pools[model].route(time.monotonic(), token_ids, prefill=True)
+        ranked, _, hashes = (routes or self.routes).pools[model].route(time.monotonic(), token_ids, prefill=True)
         return [Hop(model, i, model) for i in ranked], hashes
 
     def record(self, hop: Hop, hashes: list[int]) -> None:
@@ -312,6 +425,8 @@ class Upstreams:
 
     # --- load poller --------------------------------------------------------------------------------------
     def start(self, client: UpstreamClient) -> None:
+        """Poll our engines' /load; a table applied later that brings the first engine starts the poller then."""
+        self._client = client
         if any(i.cfg.engine for p in self.pools.values() for i in p.instances):
             self._poller = asyncio.create_task(self._poll_forever(client))
 
@@ -321,8 +436,8 @@ class Upstreams:
             await asyncio.gather(self._poller, return_exceptions=True)
 
     async def _poll_forever(self, client: UpstreamClient) -> None:
-        engines = [i for p in self.pools.values() for i in p.instances if i.cfg.engine]
         while True:
+            engines = [i for p in self.pools.values() for i in p.instances if i.cfg.engine]
             await asyncio.gather(*(self._poll(client, i) for i in engines))
             await asyncio.sleep(self.poll_interval_s)
 

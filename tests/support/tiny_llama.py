@@ -72,3 +72,36 @@ def make_tiny_llama(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return path
+
+
+def add_byte_tokenizer(path: str) -> str:
+    """Give a tiny model (vocab_size >= 258) a tokenizer, so that chat requests run on it: byte-level BPE without
+    merges (token i is byte i, in GPT-2's byte-to-unicode spelling), <s> and </s> at 256 and 257, and a chat
+    template that joins the messages' contents."""
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    added = [{"id": 256 + i, "content": tok, "special": True} for i, tok in enumerate(("<s>", "</s>"))]
+    tokenizer = {
+        "model": {"type": "BPE", "vocab": vocab, "merges": []},
+        "added_tokens": added,
+        "pre_tokenizer": {"type": "ByteLevel"},
+    }
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+    }
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (its encoder.py): printable bytes stand for themselves, the others
+    for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in table):
+        table[b] = chr(256 + n)
+    return table

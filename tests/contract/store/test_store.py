@@ -25,9 +25,9 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1, 2, 3, 4]
+    assert store.schema_versions() == [1, 2, 3, 4, 5]
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1, 2, 3, 4]
+    assert store.schema_versions() == [1, 2, 3, 4, 5]
 
 
 def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
@@ -225,14 +225,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1, 2, 3, 4]
+        assert stores[0].schema_versions() == [1, 2, 3, 4, 5]
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1, 2, 3, 4]
+    assert mem.schema_versions() == [1, 2, 3, 4, 5]
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()
@@ -326,3 +326,22 @@ def test_key_limits_and_per_key_usage_persist(store: Store):
 
     store.delete_team(team.id)  # its keys' limits go with it; the usage rows stay for billing
     assert store.get_key(key.id) is None and store.spent_by_key("2026-03-01")
+
+
+def test_routing_entries_versioned_removable_and_compare_and_set(store: Store):
+    from tokenweir.gateway.store.routing import VersionConflict
+
+    assert store.routing_entries() == (0, [])
+    v1 = store.put_routing("pool", "m", {"model": "m", "upstreams": []})
+    v2 = store.put_routing("alias", "a", {"alias": {"model": "a"}})
+    assert store.routing_version() == v2 > v1 > 0
+    version, entries = store.routing_entries()
+    assert version == v2 and [(e.kind, e.name, e.version) for e in entries] == [("alias", "a", v2), ("pool", "m", v1)]
+    with pytest.raises(VersionConflict):  # another writer moved it since v1 - 1
+        store.put_routing("pool", "m", None, expect_version=v1 - 1)
+    assert store.routing_entries()[1][1].body == {"model": "m", "upstreams": []}  # the conflict wrote nothing
+    with pytest.raises(VersionConflict):  # 0 means "it has no entry yet": it has one
+        store.put_routing("pool", "m", {}, expect_version=0)
+    v3 = store.put_routing("pool", "m", None, expect_version=v1)  # removed: a tombstone that outranks a seed
+    assert store.routing_entries()[1][1].body is None and store.routing_entries()[1][1].version == v3
+    assert store.put_routing("pool", "new", {"x": 1}, expect_version=0) == v3 + 1

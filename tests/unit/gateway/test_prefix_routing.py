@@ -95,13 +95,25 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     dispatcher = Dispatcher(GatewayConfig(), upstreams, None, metrics, None)
     # a prompt of token ids needs no tokenizer; a text prompt in a pool that names none goes by load
     ctx = SimpleNamespace(
-        model="m", kind="completions", body={"prompt": TEAM}, route_reason=None, context_fallback=None
+        model="m",
+        kind="completions",
+        body={"prompt": TEAM},
+        route_reason=None,
+        context_fallback=None,
+        routes=upstreams.routes,
+        pools=upstreams.pools,
     )
     hops, hashes = dispatcher.route(ctx)
     assert ctx.route_reason["reason"] == "prefix_home" and ctx.route_reason["instance"] == hops[0].instance.name
     assert hashes == block_hashes(TEAM, 16)
     text_ctx = SimpleNamespace(
-        model="m", kind="completions", body={"prompt": "hello"}, route_reason=None, context_fallback=None
+        model="m",
+        kind="completions",
+        body={"prompt": "hello"},
+        route_reason=None,
+        context_fallback=None,
+        routes=upstreams.routes,
+        pools=upstreams.pools,
     )
     dispatcher.route(text_ctx)
     assert text_ctx.route_reason["reason"] == "least_loaded"

@@ -1,0 +1,165 @@
+"""Runtime pools and aliases: the config file's are the seed, the store's entries (written through the admin API,
+or by a rollout) override them by name, and every replica polls the store's routing version and swaps in the new
+table within `interval_s` of a change (at once on the replica that made it).
+
+An entry's body is JSON: a pool is PoolConfig's fields (read as strictly as the config file); an alias is
+`{"alias": AliasConfig's fields, "rollout_state": RolloutState or null}`. A body of None removes the name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenweir.common.logging import get_logger
+from tokenweir.gateway.config import AliasConfig, PoolConfig, parse_section, routes_error
+from tokenweir.gateway.store.db import DB_ERRORS
+from tokenweir.gateway.store.routing import RoutingEntry
+from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.policies.canary import RolloutState
+
+log = get_logger()
+
+
+def pool_body(pool: PoolConfig) -> dict:
+    """A pool as a stored entry's body: every setting (secrets never: a member's key is named by api_key_env)."""
+    body = dataclasses.asdict(pool)
+    for upstream in body["upstreams"]:
+        upstream.pop("api_key", None)
+    return body
+
+
+def alias_body(alias: AliasConfig, state: RolloutState | None) -> dict:
+    return {"alias": dataclasses.asdict(alias), "rollout_state": None if state is None else state.to_dict()}
+
+
+def pool_from_body(body: Any, where: str = "") -> PoolConfig:
+    if not isinstance(body, dict):
+        raise ValueError(f"{where or 'pool'}: expected a mapping")
+    return parse_section(PoolConfig, body, where)
+
+
+def with_keys(pool: PoolConfig, seed: PoolConfig | None) -> PoolConfig:
+    """A stored pool's members' API keys: from their api_key_env now, else the seed member's at the same address (a
+    bundled engine's key lives in this process only)."""
+    known = {(u.name, u.base_url): u.api_key for u in seed.upstreams} if seed is not None else {}
+    for upstream in pool.upstreams:
+        if upstream.api_key_env:
+            upstream.api_key = os.environ.get(upstream.api_key_env) or None
+        elif upstream.api_key is None:
+            upstream.api_key = known.get((upstream.name, upstream.base_url))
+    return pool
+
+
+def alias_from_body(body: dict) -> tuple[AliasConfig, RolloutState | None]:
+    alias = parse_section(AliasConfig, body["alias"], "alias.")
+    state = body.get("rollout_state")
+    return alias, RolloutState.from_dict(state) if isinstance(state, dict) else None
+
+
+def effective_alias(alias: AliasConfig, state: RolloutState | None) -> AliasConfig:
+    """The alias as requests see it: a rollout's canary at its current share, the baseline at the rest."""
+    r = alias.rollout
+    if r is None:
+        return alias
+    share = (state or RolloutState()).canary_share(r.steps)
+    weights = {r.canary: share, r.baseline: 100.0 - share}
+    return replace(alias, variants=[replace(v, weight=weights.get(v.name, v.weight)) for v in alias.variants])
+
+
+@dataclass
+class Composed:
+    pools: list[PoolConfig]
+    declared: list[AliasConfig]
+    rollouts: dict[str, RolloutState]
+    entry_versions: dict[tuple[str, str], int]
+
+    @property
+    def aliases(self) -> list[AliasConfig]:
+        return [effective_alias(a, self.rollouts.get(a.model)) for a in self.declared]
+
+
+def compose(seed_pools: list[PoolConfig], seed_aliases: list[AliasConfig], entries: list[RoutingEntry]) -> Composed:
+    """The seed overlaid by the entries. An entry that no longer parses (written by another version) is skipped
+    with a log line; the result may still break references (check it with `routes_error`)."""
+    pools = {p.model: p for p in seed_pools}
+    aliases = {a.model: a for a in seed_aliases}
+    rollouts: dict[str, RolloutState] = {}
+    versions = {}
+    for e in entries:
+        versions[(e.kind, e.name)] = e.version
+        target: dict[str, Any] = pools if e.kind == "pool" else aliases
+        if e.body is None:
+            target.pop(e.name, None)
+            continue
+        try:
+            if e.kind == "pool":
+                pools[e.name] = with_keys(pool_from_body(e.body), pools.get(e.name))
+            else:
+                aliases[e.name], state = alias_from_body(e.body)
+                if state is not None:
+                    rollouts[e.name] = state
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("routing_entry_invalid", kind=e.kind, name=e.name, error=str(exc))
+    return Composed(list(pools.values()), list(aliases.values()), rollouts, versions)
+
+
+class RoutingSync:
+    """Keeps this replica's routing table in step with the store."""
+
+    def __init__(
+        self, upstreams: Upstreams, store: Store, seed_pools: list[PoolConfig], seed_aliases: list[AliasConfig]
+    ) -> None:
+        self.upstreams, self.store = upstreams, store
+        self.seed_pools, self.seed_aliases = list(seed_pools), list(seed_aliases)
+        self.version = 0  # the store's routing version applied here
+        self._task: asyncio.Task | None = None
+
+    def composed(self, entries: list[RoutingEntry]) -> Composed:
+        return compose(self.seed_pools, self.seed_aliases, entries)
+
+    async def refresh(self, force: bool = False) -> bool:
+        """Reload and apply the table if the store's version moved (or `force`); True if it applied one."""
+        if not force and await asyncio.to_thread(self.store.routing_version) == self.version:
+            return False
+        version, entries = await asyncio.to_thread(self.store.routing_entries)
+        composed = self.composed(entries)
+        if (error := routes_error(composed.pools, composed.aliases)) is not None:
+            # two writers raced past each other's checks: keep the table we have, say why until it is fixed
+            log.error("routing_table_invalid", version=version, error=error)
+            self.version = version
+            return False
+        self.upstreams.apply(
+            composed.pools,
+            composed.aliases,
+            version,
+            declared=composed.declared,
+            rollouts=composed.rollouts,
+            entry_versions=composed.entry_versions,
+        )
+        if version != self.version:
+            log.info(
+                "routing_table_applied", version=version, pools=len(composed.pools), aliases=len(composed.declared)
+            )
+        self.version = version
+        return True
+
+    def start(self, interval_s: float) -> None:
+        self._task = asyncio.create_task(self._run(interval_s))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except DB_ERRORS as exc:  # the store is away: keep routing by the table we have
+                log.warning("routing_refresh_failed", error=type(exc).__name__)
+            await asyncio.sleep(interval_s)

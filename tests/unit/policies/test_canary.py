@@ -1,0 +1,72 @@
+"""The rollout policy: windows, p95s, the breach rules and the step / promote / roll back decisions."""
+
+from __future__ import annotations
+
+from tokenweir.policies.canary import (
+    PROGRESSING,
+    PROMOTED,
+    ROLLED_BACK,
+    RolloutState,
+    Summary,
+    Thresholds,
+    Window,
+    advance,
+    breach,
+    p95,
+)
+
+T = Thresholds(window_s=60, min_requests=10, max_error_rate_delta=0.05, max_ttft_p95_ratio=1.5, max_tpot_p95_ratio=2)
+STEPS = [10.0, 50.0, 100.0]
+
+
+def healthy(n: int = 20) -> Summary:
+    return Summary(n, 0.0, 0.1, 0.02)
+
+
+def test_p95_is_the_nearest_rank_and_needs_a_minimum():
+    assert p95([float(i) for i in range(1, 101)], 10) == 95.0
+    assert p95([3.0, 1.0, 2.0], 3) == 3.0
+    assert p95([1.0, 2.0], 3) is None
+
+
+def test_window_forgets_what_is_older_than_it_and_summarises_the_rest():
+    w = Window(10.0)
+    for t in range(20):
+        w.add(float(t), ok=t % 4 != 0, ttft=0.1 * t, tpot=None)
+    s = w.summary(19.0, 3)
+    assert s.requests == 11  # t = 9..19
+    assert abs(s.error_rate - 2 / 11) < 1e-9  # the failures at t = 12 and 16 (t = 8 and before are gone)
+    assert s.ttft_p95 is None and s.tpot_p95 is None  # 11 < MIN_LATENCY_SAMPLES: a p95 of 11 is their max
+    w = Window(100.0)
+    for t in range(40):
+        w.add(float(t), ok=True, ttft=float(t), tpot=None)
+    assert w.summary(39.0, 3).ttft_p95 == 37.0  # nearest rank: the 38th of 40
+
+
+def test_breach_on_errors_latency_or_nothing_below_the_minimum():
+    assert breach(Summary(20, 0.2, 0.1, 0.02), healthy(), T).startswith("error rate 20.0%")
+    assert breach(Summary(20, 0.04, 0.1, 0.02), healthy(), T) is None  # within the margin
+    assert "TTFT p95 300.0 ms" in breach(Summary(20, 0.0, 0.3, 0.02), healthy(), T)
+    assert breach(Summary(20, 0.0, 0.149, 0.02), healthy(), T) is None  # under 1.5x
+    assert "TPOT p95" in breach(Summary(20, 0.0, 0.1, 0.05), healthy(), T)
+    assert breach(Summary(9, 1.0, 9.0, 9.0), healthy(), T) is None  # too few canary requests to judge
+    assert breach(Summary(20, 1.0, 9.0, 9.0), healthy(9), T) is None  # too few baseline requests
+
+
+def test_advance_steps_after_step_s_promotes_past_the_last_and_rolls_back_on_a_breach():
+    start = RolloutState(since=100.0)
+    assert start.canary_share(STEPS) == 10.0
+    assert advance(start, STEPS, 60, 150.0, healthy(), healthy(), T) is None  # the step is not held long enough
+    assert advance(start, STEPS, 60, 170.0, healthy(5), healthy(), T) is None  # held, but too few judged
+    step1 = advance(start, STEPS, 60, 170.0, healthy(), healthy(), T)
+    assert step1 == RolloutState(1, 170.0, PROGRESSING) and step1.canary_share(STEPS) == 50.0
+    step2 = advance(step1, STEPS, 60, 240.0, healthy(), healthy(), T)
+    assert step2 is not None and step2.canary_share(STEPS) == 100.0
+    # at 100% no baseline traffic is left to compare with: held, then promoted
+    done = advance(step2, STEPS, 60, 301.0, healthy(), Summary(0, 0.0, None, None), T)
+    assert done is not None and done.status == PROMOTED and done.canary_share(STEPS) == 100.0
+    assert advance(done, STEPS, 60, 999.0, Summary(20, 1.0, 9, 9), healthy(), T) is None  # final
+    back = advance(step1, STEPS, 60, 171.0, Summary(20, 0.5, 0.1, 0.02), healthy(), T)
+    assert back is not None and back.status == ROLLED_BACK and back.canary_share(STEPS) == 0.0
+    assert "error rate 50.0%" in back.reason
+    assert RolloutState.from_dict(back.to_dict()) == back
