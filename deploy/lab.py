@@ -5,6 +5,7 @@ Prometheus scraping all four, and a headless locust run through nginx. scripts/l
     python -m deploy.lab --locust-seconds 0    # start only
     python -m deploy.lab --exit                # start, run locust, write the dashboard picture, stop
     python -m deploy.lab --disaggregated       # engine-1 prefills, engine-2 decodes: every chat takes both hops
+    python -m deploy.lab --canary --exit       # + a scripted canary rollout: one promoted, one rolled back
 
 Redis and PostgreSQL are the machine's (127.0.0.1:6379, :5432): the lab gets a database of its own
 (tokenweir_lab_<random>, dropped at the end; TWLAB_PG names the server) and Redis db 9 (TWLAB_REDIS); TWLAB_KEEP=1
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--down-upstream", action="store_true", help="add a pool member nothing listens on (faults)")
     p.add_argument("--disaggregated", action="store_true", help="engine-1 prefills, engine-2 decodes")
+    p.add_argument("--canary", action="store_true", help="then a canary rollout: one promoted, one rolled back")
     p.add_argument("--exit", action="store_true", help="stop after the locust run instead of waiting for Ctrl-C")
     p.add_argument("--picture", default=str(ROOT / "loadtests" / "results" / "lab_dashboard.png"))
     args = p.parse_args(argv)
@@ -53,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
             res = run_locust(lab, args.locust_seconds, args.users)
             print(res.stdout[-4000:] + res.stderr[-4000:], flush=True)
             print(f"tokenweir lab: locust exit {res.returncode}; requests per replica {replica_traffic(lab)}")
+        if args.canary:
+            from deploy.lab_canary import run_canary
+
+            try:
+                print(f"tokenweir lab: canary rollouts: {run_canary(lab, lambda line: print(line, flush=True))}")
+            except LabError as exc:
+                print(f"tokenweir lab: canary: {exc}", file=sys.stderr)
+                return 1
+        if args.locust_seconds > 0 or args.canary:
             time.sleep(5)  # two more scrapes
             from deploy.render_dashboard import render_png
 

@@ -12,6 +12,9 @@ rpm, tpm, daily and monthly token budgets, max_concurrency and prompt/output cap
 admission step runs; JSONL events and metrics on), and this client (httpx). State in memory, or for the redis-*
 cells in Redis (state_url, a fresh key prefix per gateway whose keys are deleted afterwards).
 
+The shadow-* cells are non-stream-1/-32 through a gateway whose pool mirrors 5% of its requests to a shadow pool
+(a second fake upstream): "shadow vs none" prints what mirroring adds to the client's p50 and to the gateway's CPU.
+
 Per cell (non-stream, or a stream of 20 chunks; 1 or 32 concurrent clients) and round: req/s and p50/p99
 latency of the fake upstream direct, then through each side's gateway (each after a short warm-up); the added
 p50 (gateway minus direct, same round); the gateway's CPU-ms per request (utime+stime of its process from
@@ -64,8 +67,15 @@ class Cell:
     stream: bool
     concurrency: int
     state: str  # the gateway's limits state: "memory" (in-process) or "redis" (state_url)
+    shadow: bool = False  # SHADOW_FRACTION of the requests mirrored to a second fake upstream (a shadow pool)
+
+    @property
+    def group(self) -> str:
+        """The gateway that serves the cell: one per state, and one more with shadow traffic on."""
+        return self.state + ("-shadow" if self.shadow else "")
 
 
+SHADOW_FRACTION = 0.05
 CELLS = {
     "non-stream-1": Cell(False, 1, "memory"),
     "non-stream-32": Cell(False, 32, "memory"),
@@ -73,6 +83,9 @@ CELLS = {
     "stream-32": Cell(True, 32, "memory"),
     "redis-non-stream-1": Cell(False, 1, "redis"),
     "redis-non-stream-32": Cell(False, 32, "redis"),
+    # the same as non-stream-1/-32 with 5% mirrored: "shadow vs none" compares their added p50
+    "shadow-non-stream-1": Cell(False, 1, "memory", shadow=True),
+    "shadow-non-stream-32": Cell(False, 32, "memory", shadow=True),
 }
 
 
@@ -134,9 +147,13 @@ def delete_redis_keys(prefix: str) -> int:
     return len(keys)
 
 
-def start_gateway(side: Side, state: str, upstream: str, work: Path, profile: str | None) -> Gateway:
-    """The side's gateway, verified: its runner checked where the code came from; one request is served."""
-    gwdir = work / f"{side.tag}-{state}"
+def start_gateway(
+    side: Side, group: str, upstream: str, work: Path, profile: str | None, shadow_upstream: str | None = None
+) -> Gateway:
+    """The side's gateway for a cell group, verified: its runner checked where the code came from; one request is
+    served."""
+    state = group.removesuffix("-shadow")
+    gwdir = work / f"{side.tag}-{group}"
     gwdir.mkdir()
     port = free_port()
     cmd = [sys.executable, str(RUNNER), "--code-root", str(side.code_root), "--upstream", upstream]
@@ -146,18 +163,21 @@ def start_gateway(side: Side, state: str, upstream: str, work: Path, profile: st
         if redis_keys(prefix):
             raise RuntimeError(f"Redis already holds keys under {prefix}: not fresh")
         cmd += ["--state-url", REDIS_URL, "--redis-prefix", prefix]
+    if group.endswith("-shadow"):
+        assert shadow_upstream is not None
+        cmd += ["--shadow-upstream", shadow_upstream, "--shadow-fraction", str(SHADOW_FRACTION)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BENCH_PROFILE")}
     if side.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(side.pythonpath)
     if profile:
         plain = side.tag == "current" and state == "memory"
-        env["BENCH_PROFILE"] = profile if plain else f"{profile}.{side.tag}-{state}"
+        env["BENCH_PROFILE"] = profile if plain and group == state else f"{profile}.{side.tag}-{group}"
     gw = Gateway(subprocess.Popen(cmd, env=env, cwd=gwdir), f"http://127.0.0.1:{port}", redis_prefix=prefix)
     try:
         wait_http(gw.url + "/health", gw.proc)
         info = json.loads((gwdir / "info.json").read_text())
         gw.key = info.pop("key")
-        side.gateways[state] = info
+        side.gateways[group] = info
         asyncio.run(load(gw.url + CHAT, {"authorization": f"Bearer {gw.key}"}, CELLS["non-stream-1"], 1))
         if prefix and not redis_keys(prefix):
             raise RuntimeError(f"{side.name}: a request was served but Redis holds nothing under {prefix}")
@@ -289,6 +309,33 @@ def print_summary(summary: dict[str, dict[str, dict[str, float]]], sides: list[S
         )
 
 
+def shadow_ok(url: str) -> float:
+    """Mirrored requests the gateway counted as answered by the shadow pool."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tokenweir_gateway_shadow_requests_total{") and 'status="ok"' in line
+    )
+
+
+def print_shadow(summary: dict[str, dict[str, dict[str, float]]], sides: list[Side], mirrored: dict) -> None:
+    """Shadow traffic's cost to the client: the added p50 with SHADOW_FRACTION mirrored minus without, same side."""
+    pairs = [(c, c.removeprefix("shadow-")) for c in summary if c.startswith("shadow-") and c[7:] in summary]
+    if not pairs:
+        return
+    print(f"\nshadow traffic ({SHADOW_FRACTION:.0%} mirrored) vs none: added p50, ms (medians; the same gateway code)")
+    for side in sides:
+        for shadow, plain in pairs:
+            with_, without = summary[shadow][side.tag]["added_p50_ms"], summary[plain][side.tag]["added_p50_ms"]
+            print(
+                f"  {side.name:<10} {plain:<16} none {without:>6.2f}  shadow {with_:>6.2f}  "
+                f"delta {with_ - without:>+6.2f}  CPU-ms/req {summary[plain][side.tag]['cpu_ms']:.3f} -> "
+                f"{summary[shadow][side.tag]['cpu_ms']:.3f}"
+            )
+        print(f"  {side.name:<10} mirrored and answered: {mirrored.get(side.tag, 0):.0f}")
+
+
 def plot(path: str, summary: dict[str, dict[str, dict[str, float]]], sides: list[Side], title: str) -> None:
     import matplotlib
 
@@ -348,23 +395,34 @@ def main() -> None:
         procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT))
         upstream = f"http://127.0.0.1:{up_port}"
         wait_http(upstream + "/health", procs[0])
+        shadow_upstream = None
+        if any(CELLS[n].shadow for n in args.cells):  # mirrors go to a fake of their own, as to another model
+            shadow_port = free_port()
+            cmd = [sys.executable, "-m", "loadtests.fake_upstream", "--port", str(shadow_port)]
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT))
+            shadow_upstream = f"http://127.0.0.1:{shadow_port}"
+            wait_http(shadow_upstream + "/health", procs[-1])
         for side in sides:
             print(f"side {side.name}: {side.commit} at {side.code_root}, PYTHONPATH={side.pythonpath or '(none)'}")
         print(f"{args.requests} requests per cell, side and round; {args.rounds} round(s); cells: {args.cells}")
         records: list[dict[str, Any]] = []
-        for state in ("memory", "redis"):
-            names = [n for n in args.cells if CELLS[n].state == state]
+        mirrored: dict[str, float] = {}
+        for group in ("memory", "redis", "memory-shadow"):
+            names = [n for n in args.cells if CELLS[n].group == group]
             gateways: dict[str, Gateway] = {}
             try:
                 for side in sides if names else []:
-                    gateways[side.tag] = start_gateway(side, state, upstream, work, profile)
+                    gateways[side.tag] = start_gateway(side, group, upstream, work, profile, shadow_upstream)
                 for name in names:
                     records += run_cell(name, args.rounds, args.requests, upstream, sides, gateways)
+                if group.endswith("-shadow"):
+                    mirrored = {tag: shadow_ok(gw.url) for tag, gw in gateways.items()}
             finally:
                 for gw in gateways.values():
                     stop_gateway(gw)
         summary = summarize(records)
         print_summary(summary, sides, args.rounds)
+        print_shadow(summary, sides, mirrored)
         tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
         print(
             f"CPU: /proc/<gateway pid>/stat utime+stime over the run / requests, counted in {tick_ms:g} ms clock ticks "

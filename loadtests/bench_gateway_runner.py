@@ -144,15 +144,18 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     )
     team = store.create_team("bench", team_limits)
     secret, _ = store.create_key(team.id, "bench")
+    pool = config.PoolConfig(
+        model=MODEL, upstreams=[config.UpstreamConfig(args.upstream)], capacity=256, max_queued=10_000
+    )
+    pools = [pool]
+    if args.shadow_upstream:  # a commit without shadow traffic fails here: the shadow cells need one that has it
+        pool.shadow_pool, pool.shadow_fraction = "shadow", args.shadow_fraction
+        pools.append(config.PoolConfig(model="shadow", upstreams=[config.UpstreamConfig(args.shadow_upstream)]))
     gw_config = config.GatewayConfig(
         port=args.port,
         store_url=f"sqlite:///{args.workdir}/bench.db",
         state_url=args.state_url,
-        pools=[
-            config.PoolConfig(
-                model=MODEL, upstreams=[config.UpstreamConfig(args.upstream)], capacity=256, max_queued=10_000
-            )
-        ],
+        pools=pools,
         events=config.EventsConfig(path=f"{args.workdir}/events.jsonl"),
         log_level="warning",
     )
@@ -182,6 +185,8 @@ def main() -> None:
     p.add_argument("--label", default="gateway")
     p.add_argument("--state-url", default=None)
     p.add_argument("--redis-prefix", default=None)
+    p.add_argument("--shadow-upstream", default=None, help="mirror --shadow-fraction of the requests to this one")
+    p.add_argument("--shadow-fraction", type=float, default=0.05)
     args = p.parse_args()
     served, info = build(args)
     where = "inside" if inside(info["gateway_file"], args.code_root) else "OUTSIDE"
