@@ -408,11 +408,13 @@ class Settler:
             self.rollouts is None
             or ctx.alias is None
             or ctx.variant is None
+            or ctx.model is None
             or status not in ("ok", "error", "timeout")
         ):
             return  # refused or cancelled: says nothing about the variant
         ok = status == "ok" and ctx.served_model == ctx.model
-        self.rollouts.observe(ctx.alias, ctx.variant, ok, ctx.ttft_s if ok else None, tpot if ok else None)
+        ttft, tpot = (ctx.ttft_s, tpot) if ok else (None, None)
+        self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot)
 
 
 # the event's names for what a decode hop's kv_transfer_params say it fetched (engine/kv_transfer/params.py)

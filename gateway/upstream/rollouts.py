@@ -56,17 +56,21 @@ class Rollouts:
         self.upstreams, self.store, self.routing = upstreams, store, routing
         # Each decision this replica wrote, one JSON line (beside the request events, which have a request's shape)
         self.metrics, self.decisions_path = metrics, decisions_path
-        self.windows: dict[tuple[str, str], Window] = {}  # (alias, variant) -> this replica's recent outcomes
+        # (alias, variant, its pool) -> this replica's recent outcomes: a variant pointed at another pool (a new
+        # canary under the same name) starts with an empty window
+        self.windows: dict[tuple[str, str, str], Window] = {}
         self._task: asyncio.Task | None = None
 
-    def observe(self, alias: str, variant: str, ok: bool, ttft_s: float | None, tpot_s: float | None) -> None:
-        """A finished request of an alias's variant: ok (served by the variant's own pool, no error), its TTFT and
-        TPOT (None where it has none: a failure, a non-stream answer, one token)."""
+    def observe(
+        self, alias: str, variant: str, pool: str, ok: bool, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
+        """A finished request of an alias's variant served by `pool`: ok (by the variant's own pool, no error), its
+        TTFT and TPOT (None where it has none: a failure, one token)."""
         declared = self.upstreams.routes.declared.get(alias)
         r = declared.rollout if declared is not None else None
         if r is None or variant not in (r.canary, r.baseline):
             return
-        window = self.windows.setdefault((alias, variant), Window(r.window_s))
+        window = self.windows.setdefault((alias, variant, pool), Window(r.window_s))
         window.window_s = r.window_s
         window.add(time.monotonic(), ok, ttft_s, tpot_s)
 
@@ -76,8 +80,10 @@ class Rollouts:
         assert r is not None
         now = time.monotonic()
         empty = Window(r.window_s)
-        canary = self.windows.get((alias.model, r.canary), empty).summary(now, r.min_requests)
-        baseline = self.windows.get((alias.model, r.baseline), empty).summary(now, r.min_requests)
+        canary, baseline = (
+            self.windows.get((alias.model, name, alias.variant(name).pool), empty).summary(now, r.min_requests)
+            for name in (r.canary, r.baseline)
+        )
         return canary, baseline
 
     async def tick(self) -> None:
