@@ -138,8 +138,8 @@ def create_app(
         upstreams.start(client)
         with contextlib.suppress(*DB_ERRORS):  # the store away: the config's table until it answers
             await routing.refresh(force=True)
-        routing.start(config.routing_poll_interval_s)
-        rollouts.start(config.routing_poll_interval_s)
+        routing.poll.start(config.routing_poll_interval_s)
+        rollouts.judge.start(config.routing_poll_interval_s)
         log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
         try:
             yield
@@ -148,10 +148,10 @@ def create_app(
             if seeding is not None:
                 seeding.cancel()
                 await asyncio.gather(seeding, return_exceptions=True)
-            await rollouts.close()
+            await rollouts.judge.close()
             if admission.tracing is not None:  # what its exporter still holds goes out now
                 await asyncio.to_thread(admission.tracing.provider.shutdown)
-            await routing.close()
+            await routing.poll.close()
             await upstreams.close()
             await outbox.close()
             await usage.close()

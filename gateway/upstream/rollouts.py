@@ -18,9 +18,9 @@ import orjson
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.config import AliasConfig, RolloutConfig
-from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.routing import VersionConflict
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.periodic import Periodic
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.routing_sync import RoutingSync, alias_body
 from tokenweir.policies.canary import PROGRESSING, RolloutState, Summary, Thresholds, Window, advance
@@ -59,7 +59,7 @@ class Rollouts:
         # (alias, variant, its pool) -> this replica's recent outcomes: a variant pointed at another pool (a new
         # canary under the same name) starts with an empty window
         self.windows: dict[tuple[str, str, str], Window] = {}
-        self._task: asyncio.Task | None = None
+        self.judge = Periodic(self.tick, "rollout_tick_failed")  # the store away: judged again next time
 
     def observe(
         self, alias: str, variant: str, pool: str, ok: bool, ttft_s: float | None, tpot_s: float | None
@@ -140,19 +140,3 @@ class Rollouts:
         if self.metrics is not None and alias.rollout is not None:
             share = state.canary_share(alias.rollout.steps)
             self.metrics.rollout_share.labels(alias.model, alias.rollout.canary).set(share)
-
-    def start(self, interval_s: float) -> None:
-        self._task = asyncio.create_task(self._run(interval_s))
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self, interval_s: float) -> None:
-        while True:
-            try:
-                await self.tick()
-            except DB_ERRORS as exc:  # the store is away: judge again next time
-                log.warning("rollout_tick_failed", error=type(exc).__name__)
-            await asyncio.sleep(interval_s)

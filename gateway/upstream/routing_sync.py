@@ -16,9 +16,9 @@ from typing import Any
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.config import AliasConfig, PoolConfig, parse_section, routes_error
-from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.periodic import Periodic
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.canary import RolloutState
 
@@ -117,7 +117,7 @@ class RoutingSync:
         self.upstreams, self.store = upstreams, store
         self.seed_pools, self.seed_aliases = list(seed_pools), list(seed_aliases)
         self.version = 0  # the store's routing version applied here
-        self._task: asyncio.Task | None = None
+        self.poll = Periodic(self.refresh, "routing_refresh_failed")  # the store away: the table we have stands
 
     def composed(self, entries: list[RoutingEntry]) -> Composed:
         return compose(self.seed_pools, self.seed_aliases, entries)
@@ -147,19 +147,3 @@ class RoutingSync:
             )
         self.version = version
         return True
-
-    def start(self, interval_s: float) -> None:
-        self._task = asyncio.create_task(self._run(interval_s))
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self, interval_s: float) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except DB_ERRORS as exc:  # the store is away: keep routing by the table we have
-                log.warning("routing_refresh_failed", error=type(exc).__name__)
-            await asyncio.sleep(interval_s)

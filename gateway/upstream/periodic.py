@@ -1,0 +1,34 @@
+"""A step run every few seconds in a task of its own, for as long as the app runs (routing refresh, rollout
+judgement): a store failure is logged and the step is simply tried again next time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from tokenweir.common.logging import get_logger
+from tokenweir.gateway.store.db import DB_ERRORS
+
+log = get_logger()
+
+
+class Periodic:
+    def __init__(self, step: Callable[[], Awaitable[object]], failure_event: str) -> None:
+        self.step, self.failure_event = step, failure_event
+        self._task: asyncio.Task | None = None
+
+    def start(self, interval_s: float) -> None:
+        self._task = asyncio.create_task(self._run(interval_s))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.step()
+            except DB_ERRORS as exc:  # the store is away: what this replica has stands until it answers
+                log.warning(self.failure_event, error=type(exc).__name__)
+            await asyncio.sleep(interval_s)
