@@ -9,6 +9,10 @@ Strategies (per pool, `route:` in the pool config):
   `max_waiting`, takes no affinity; the next best does ("spill"). A prompt no instance holds gets a stable home by
   rendezvous (highest-random-weight) hashing of its first block hash, under the same bound, so a new team's prefix
   lands on one instance and its next requests find it there.
+  A chat with a system part (`home_depth` full blocks of it, `home_key` its hash) is homed by its system part, and
+  only a hit deeper than the system part's blocks is affinity: prompts whose system parts share only a preamble (a
+  chat template's header, a company's opening line) would otherwise all follow the instance that first cached the
+  preamble; a team's system part instead picks its own home, and its requests go there while the load allows.
   A prompt with no full block (or no token ids) falls back to least loaded.
 - `least_loaded`: lowest load first. Without engine load figures that is least in flight (external members).
 - `round_robin`: the available instances in turn.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 STRATEGIES = ("prefix", "least_loaded", "round_robin")
@@ -119,9 +123,12 @@ def rank(
     params: RouteParams,
     block_hashes: list[int] | None = None,
     turn: int = 0,
+    home_depth: int = 0,
+    home_key: int | None = None,
 ) -> tuple[list[str], RouteReason]:
     """Instance names in the order to try them, and why the first one. `block_hashes`: the prompt's (None: unknown,
-    e.g. no tokenizer: least loaded); `turn`: the pool's round-robin counter."""
+    e.g. no tokenizer: least loaded); `turn`: the pool's round-robin counter; `home_depth`: leading blocks a hit must
+    go beyond to be affinity (the system part's); `home_key`: what a home is chosen by (default its first block)."""
     up = [c for c in candidates if c.available]
     if not up:
         return [], RouteReason(params.strategy, "none_available", None)
@@ -134,7 +141,8 @@ def rank(
         first = by_load[0]
         return [c.name for c in by_load], RouteReason(params.strategy, "least_loaded", first.name)
 
-    capable = [c for c in up if c.prefix_capable]
+    # a hit no deeper than home_depth is a preamble other prompts share: no affinity (the home decides)
+    capable = [c if c.hit_blocks > home_depth else replace(c, hit_blocks=0) for c in up if c.prefix_capable]
     within = [c for c in capable if not overloaded(c, up, params)]
     held = [c for c in capable if c.hit_blocks > 0]
     if any(c.hit_blocks > 0 for c in within):
@@ -142,11 +150,11 @@ def rank(
         pick = max(within, key=lambda c: (score(c, params), c.hit_blocks, -_least_loaded_key(c)))
         reason = "prefix_hit" if pick.hit_blocks > 0 else "prefix_spill"
     elif within:
-        first_hash = block_hashes[0]
-        pick = max(within, key=lambda c: (home_weight(first_hash, c.name), c.name))
+        key = block_hashes[0] if home_key is None else home_key
+        pick = max(within, key=lambda c: (home_weight(key, c.name), c.name))
         reason = "prefix_spill" if held else "prefix_home"
     else:
         pick, reason = by_load[0], "prefix_spill" if held else "least_loaded"
-    rest = [c.name for c in by_load if c is not pick]
+    rest = [c.name for c in by_load if c.name != pick.name]
     why = RouteReason("prefix", reason, pick.name, pick.hit_blocks, score(pick, params))
     return [pick.name, *rest], why

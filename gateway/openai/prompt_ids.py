@@ -23,6 +23,26 @@ def _tokenizer(path: str):
     return _load(path)
 
 
+def head_tokens(tokenizer_path: str | None, body: dict, ids: list[int]) -> int:
+    """How many of a chat prompt's ids `ids` come before its first user turn (the system part, rendered alone: a
+    team's own instructions after a preamble many teams share), 0 when there is none or it cannot be had."""
+    messages = body.get("messages") or []
+    first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), 0)
+    if tokenizer_path is None or first_user == 0:
+        return 0
+    try:
+        head = _tokenizer(tokenizer_path).encode_chat([template_message(m) for m in messages[:first_user]], False)
+    except Exception as e:  # routing must never fail a request
+        log.debug("no prompt head for routing: %r", e)
+        return 0
+    n = 0
+    for a, b in zip(head, ids, strict=False):  # the rendered system part is the prompt's own first tokens
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def prompt_token_ids(tokenizer_path: str | None, kind: str, body: dict) -> list[int] | None:
     """The prompt's ids: a completion's token-id prompt as it is (no tokenizer needed), else through the pool's."""
     prompt = body.get("prompt") if kind != "chat" else None

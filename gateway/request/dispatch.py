@@ -20,7 +20,7 @@ from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
-from tokenweir.gateway.openai.prompt_ids import prompt_token_ids
+from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.request_end import RequestEnd
@@ -50,14 +50,16 @@ class Dispatcher:
         prompt's block hashes for the prefix index."""
         target = ctx.context_fallback or ctx.model  # the pool whose context fits the prompt
         pool = ctx.pools[target]
-        token_ids = None
+        token_ids, head = None, 0
         if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
             token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
-        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes)
+            if token_ids and ctx.kind == "chat":
+                head = head_tokens(pool.cfg.tokenizer, ctx.body, token_ids)
+        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes, head)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         elif pool.prefill_members:
-            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids, ctx.routes)
+            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids, ctx.routes, head)
         ctx.route_reason = why.as_dict()
         if ctx.context_fallback is not None:
             ctx.route_reason["context_window_fallback"] = ctx.context_fallback

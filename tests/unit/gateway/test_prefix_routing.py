@@ -1,6 +1,7 @@
 """Prefix routing wired into the pool: route plans follow the index, /load's evictions are forgotten, and the
 decision lands on the request and in metrics. No HTTP: /load answers are set as the poller would set them."""
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -142,3 +143,58 @@ def test_prompt_ids_match_the_engines_own_encoding():
     assert prompt_token_ids("default", "chat", body) == engine_ids
     ids = prompt_token_ids("default", "completions", {"prompt": "hello world"})
     assert ids[-2:] == tok.encode("hello world")[-2:]
+
+
+TOPICS = ["billing", "search ranking", "mobile apps", "fraud checks", "the data lake", "payments", "ads", "maps"]
+
+
+def _preamble_chat(team: int, question: int) -> dict:
+    """A team's chat: its system part opens with the preamble every team shares (the template's header and "You are
+    an assistant for a team that works on"), then its own words; a short user question."""
+    system = (
+        "You are an assistant at Example Corp, a company that builds software for shops, for a team that works on "
+        f"{TOPICS[team]}. Answer briefly and cite the runbook."
+    )
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}?"}]}
+
+
+def _two_engines() -> Upstreams:
+    ups = [UpstreamConfig(f"http://e{i}:1", name=f"e{i}") for i in range(2)]
+    upstreams = Upstreams(GatewayConfig(pools=[PoolConfig(model="m", upstreams=ups, tokenizer="default")]))
+    for inst in upstreams.pools["m"].instances:
+        inst.load = _load()
+        forget_evicted(inst, inst.load)
+    return upstreams
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_teams_sharing_only_a_preamble_spread_and_each_keeps_to_its_home(concurrent):
+    """The default tokenizer's real ids: 8 teams whose system parts share their first 30 tokens (the first block
+    whole). Homed by the first block, every team's first request found the preamble cached on the engine that served
+    the first team, and went there: all on one engine."""
+    from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
+
+    upstreams = _two_engines()
+    placed: dict[int, list[str]] = {t: [] for t in range(len(TOPICS))}
+    held = []
+    for i in range(12 * len(TOPICS)):
+        team = i % len(TOPICS)
+        body = _preamble_chat(team, i)
+        ids = prompt_token_ids("default", "chat", body)
+        assert ids is not None
+        head = head_tokens("default", body, ids)
+        assert 32 < head < len(ids)  # the system part, rendered alone, is the prompt's own beginning
+        hops, why, hashes = upstreams.route("m", ids, head=head)
+        upstreams.record(hops[0], hashes)
+        placed[team].append(hops[0].instance.name)
+        if concurrent:  # 4 in flight at a time (under the load bound: a team stays home)
+            hops[0].instance.take(0.0)
+            held.append(hops[0].instance)
+            if len(held) == 4:
+                for inst in held:
+                    inst.done(True, 0.0)
+                held.clear()
+    engines = Counter(name for names in placed.values() for name in names)
+    assert set(engines) == {"e0", "e1"}, engines  # both engines used
+    for team, names in placed.items():
+        assert Counter(names).most_common(1)[0][1] >= 0.8 * len(names), (team, names)
