@@ -1,6 +1,6 @@
 """One source for the lab's config files, rendered for docker compose (service names) or local processes.
 
-    python -m deploy.render            # rewrite deploy/gateway.yaml, deploy/nginx.conf, deploy/prometheus.yml
+    python -m deploy.render            # rewrite deploy/{gateway.yaml,nginx.conf,prometheus.yml} and deploy/k8s/
     python -m deploy.render --check    # exit 1 when the committed files differ from what this renders
 
 deploy/lab_topology.py calls the same functions with 127.0.0.1 ports and a temp dir; deploy/alerts.yml and the Grafana
@@ -193,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="only compare with the committed files")
     args = p.parse_args(argv)
     stale = []
-    for path, text in compose_files().items():
+    from deploy.render_k8s import k8s_files
+
+    for path, text in (compose_files() | k8s_files()).items():
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(path.name)
         else:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if stale:
         print(f"stale: {', '.join(stale)} (run python -m deploy.render)", file=sys.stderr)

@@ -47,12 +47,18 @@ HITS, QUERIES = "tokenweir:prefix_cache_hits_total", "tokenweir:prefix_cache_que
 PHASES = (("prefix", 2), ("least_loaded", 2), ("round_robin", 2), ("single engine", 1))
 
 
-def system_prompt(team: str) -> str:
-    """~512 tokens, distinct from the first words on (the first KV block decides a new prefix's home)."""
+# --workload preamble: every team's system prompt opens with these words (with the chat template's header, the first
+# two 16-token blocks are the same for all teams), as a company's do
+PREAMBLE = "You are an assistant at Example Corp, a company that builds software for shops, and you work for a team."
+
+
+def system_prompt(team: str, preamble: bool = False) -> str:
+    """~512 tokens: distinct from the first words on, or (`preamble`) after a preamble every team shares."""
     rules = " ".join(
         f"Rule {i} of team {team}: for {TOPICS[i % len(TOPICS)]}, answer briefly and precisely." for i in range(29)
     )
-    return f"{team} {team} {team}. You are the internal assistant of team {team}. {rules}"
+    own = f"{team} {team} {team}. You are the internal assistant of team {team}. {rules}"
+    return f"{PREAMBLE} {own}" if preamble else own
 
 
 @dataclass(slots=True)
@@ -60,9 +66,10 @@ class Conversation:
     team: str
     questions: list[str]
     max_tokens: list[int]
+    system: str = ""
 
 
-def make_workload(seed: int, conversations: int) -> list[Conversation]:
+def make_workload(seed: int, conversations: int, preamble: bool = False) -> list[Conversation]:
     """Seeded: teams evenly interleaved in a random order; 1 turn (50%), 2 (30%) or 3 (20%)."""
     rng = random.Random(seed)
     teams = [TEAMS[i % len(TEAMS)] for i in range(conversations)]
@@ -72,7 +79,8 @@ def make_workload(seed: int, conversations: int) -> list[Conversation]:
         turns = rng.choices((1, 2, 3), weights=(5, 3, 2))[0]
         first = f"I have a question about {rng.choice(TOPICS)} (ticket {rng.randrange(1000, 9999)})."
         questions = [first, *rng.sample(QUESTIONS, turns - 1)]
-        work.append(Conversation(team, questions, [rng.randrange(8, 25) for _ in range(turns)]))
+        tokens = [rng.randrange(8, 25) for _ in range(turns)]
+        work.append(Conversation(team, questions, tokens, system_prompt(team, preamble)))
     return work
 
 
@@ -194,7 +202,7 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
 
 def converse(client: openai.OpenAI, phase: str, n: int, conv: Conversation) -> tuple[list[Result], int]:
     """One conversation, turn by turn, each streamed; the next turn resends the history with the answer."""
-    messages = [{"role": "system", "content": system_prompt(conv.team)}]
+    messages = [{"role": "system", "content": conv.system}]
     results, errors = [], 0
     for turn, (question, max_tokens) in enumerate(zip(conv.questions, conv.max_tokens, strict=True)):
         messages.append({"role": "user", "content": question})
@@ -356,10 +364,18 @@ def main() -> None:
         "mostly warm too",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "loadtests" / "results" / "bench_routing")
+    ap.add_argument(
+        "--workload",
+        choices=("distinct", "preamble"),
+        default="distinct",
+        help="preamble: every team's system prompt opens with the same words (written to bench_routing_preamble.*)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="default loadtests/results/bench_routing[_preamble]")
     args = ap.parse_args()
+    preamble = args.workload == "preamble"
+    args.out = args.out or ROOT / "loadtests" / "results" / ("bench_routing_preamble" if preamble else "bench_routing")
     n = args.conversations or (16 if args.quick else 40)
-    work = make_workload(args.seed, n)
+    work = make_workload(args.seed, n, preamble)
     turns = sum(len(c.questions) for c in work)
     print(
         f"bench_routing: {n} conversations ({turns} requests) of {len(TEAMS)} teams, {args.concurrency} at a time; "
@@ -377,7 +393,8 @@ def main() -> None:
         f"# bench_routing ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"`{' '.join(['loadtests/bench_routing.py', *sys.argv[1:]])}`: 2 engines x 1 torch thread (SmolLM2-135M, "
-        f"dense), {n} seeded conversations ({turns} requests) of {len(TEAMS)} teams with ~512-token system prompts, "
+        f"dense), {n} seeded conversations ({turns} requests) of {len(TEAMS)} teams with ~512-token system prompts"
+        f"{' opening with one shared preamble' if preamble else ''}, "
         f"{args.concurrency} at a time, streamed; KV {args.kv_blocks} blocks x 16 tokens per engine, the single "
         f"engine {2 * args.kv_blocks} (and 2 threads). Fresh `serve` per row. Warm requests: >= 256 prompt tokens "
         "from the cache. Load avg: the machine's 1-min load as the row ended (this run's own share is ~2; the cores "
