@@ -112,10 +112,12 @@ def overloaded(c: Candidate, candidates: list[Candidate], params: RouteParams) -
     return load(c) + 1 > bound or c.waiting > params.max_waiting
 
 
-def home_weight(first_hash: int, name: str) -> int:
-    """Rendezvous weight of an instance for a prefix: stable across processes (no salted str hash)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"tw-route").digest()
-    return hash((first_hash, int.from_bytes(digest, "little")))
+def home_weight(key: int, name: str) -> int:
+    """Rendezvous weight of an instance for a prompt's home key: a keyed digest, stable across processes (no salted
+    str hash) and mixed well enough that which instance weighs more is a coin toss per key (a tuple's hash of the
+    two is not: it sent 8 of 8 distinct system prompts to one of two instances)."""
+    data = (key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") + name.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"tw-route").digest(), "little")
 
 
 def rank(

@@ -126,3 +126,15 @@ def test_our_requests_in_the_engines_queue_count_once():
     assert order[0] == home and why.reason == "prefix_hit"
     # least loaded too: b's 2 running are the 2 we sent it; a has 3 of ours its last /load did not see yet
     assert rank([Candidate("a", in_flight=3), Candidate("b", in_flight=2, running=2)], PARAMS)[0] == ["b", "a"]
+
+
+def test_rendezvous_homes_split_evenly_even_for_keys_that_differ_little():
+    """Home keys of system parts that share most of their tokens: each of two instances wins about half of them
+    (a tuple's hash of key and name gave one instance every key of such a family)."""
+    from collections import Counter
+
+    from tokenweir.policies.routing import home_weight
+
+    keys = [hash(tuple([1, 2, 3, *range(40), i])) for i in range(400)]
+    wins = Counter(max(("engine-0", "engine-1"), key=lambda n, k=k: (home_weight(k, n), n)) for k in keys)
+    assert 160 <= wins["engine-0"] <= 240, wins
