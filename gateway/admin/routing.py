@@ -167,6 +167,11 @@ def stored_pool(composed: Composed, model: str) -> PoolConfig:
     return pool
 
 
+def check_same_model(in_body: str, in_path: str) -> None:
+    if in_body != in_path:
+        raise APIError(400, f"The body's model {in_body!r} is not the path's {in_path!r}.", "invalid_value", "model")
+
+
 def check_keys(upstreams: list[UpstreamConfig]) -> None:
     for u in upstreams:
         if u.api_key is not None:
@@ -241,8 +246,7 @@ async def get_pool(model: ModelPath, services: ServicesDep) -> dict:
 
 @router.put("/pools/{model:path}", summary="Create or replace a pool", responses=_CONFLICT)
 async def put_pool(model: ModelPath, body: PoolConfig, services: ServicesDep) -> dict:
-    if body.model != model:
-        raise APIError(400, f"The body's model {body.model!r} is not the path's {model!r}.", "invalid_value", "model")
+    check_same_model(body.model, model)
     check_keys(body.upstreams)
     await change(services, "pool", model, lambda _: pool_body(body))
     return pool_out(services, pool_or_404(services, model))
@@ -264,8 +268,7 @@ async def get_alias(model: ModelPath, services: ServicesDep) -> dict:
 
 @router.put("/aliases/{model:path}", summary="Create or replace an alias (a rollout starts over)", responses=_CONFLICT)
 async def put_alias(model: ModelPath, body: AliasConfig, services: ServicesDep) -> dict:
-    if body.model != model:
-        raise APIError(400, f"The body's model {body.model!r} is not the path's {model!r}.", "invalid_value", "model")
+    check_same_model(body.model, model)
     state = RolloutState(since=time.time()) if body.rollout is not None else None
     await change(services, "alias", model, lambda _: alias_body(body, state))
     return alias_out(services, alias_or_404(services, model))
