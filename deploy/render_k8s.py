@@ -30,8 +30,10 @@ ENGINE_PORT, GATEWAY_PORT = 8100, 8000
 SECRET = "tokenweir-secrets"  # made by the operator (above): admin-key, engine-api-key, postgres-password
 GATEWAY_LABELS = {"app.kubernetes.io/name": "tokenweir-gateway", "app.kubernetes.io/part-of": "tokenweir"}
 ENGINE_LABELS = {"app.kubernetes.io/name": "tokenweir-engine", "app.kubernetes.io/part-of": "tokenweir"}
-# Each engine pod by its stable StatefulSet name behind the headless Service (a fixed member list)
-ENGINE_HOSTS = [f"engine-{i}.engine.{NAMESPACE}.svc.cluster.local" for i in range(ENGINE_REPLICAS)]
+# The engines' headless Service: its name resolves to every ready engine pod, which the gateways discover (one pool
+# member per address, re-resolved every DISCOVERY_INTERVAL_S): scaling the engines needs no config change.
+ENGINE_SERVICE_HOST = f"engine.{NAMESPACE}.svc.cluster.local"
+DISCOVERY_INTERVAL_S = 5
 STORE_URL = f"postgresql://tokenweir@postgres.{NAMESPACE}.svc.cluster.local:5432/tokenweir"
 STATE_URL = f"redis://redis.{NAMESPACE}.svc.cluster.local:6379/0"
 PG_PASSWORD_ENV = "PGPASSWORD"  # libpq (psycopg) reads it: the store URL carries no password
@@ -56,10 +58,14 @@ def _hardened() -> dict:
 
 
 def gateway_configmap() -> dict:
-    members = [(f"engine-{i}", f"http://{host}:{ENGINE_PORT}") for i, host in enumerate(ENGINE_HOSTS)]
+    members = [("engine", f"http://{ENGINE_SERVICE_HOST}:{ENGINE_PORT}")]
     cfg = render.gateway_config(
         members, store_url=STORE_URL, state_url=STATE_URL, events_path="/data/events.jsonl", port=GATEWAY_PORT
     )
+    for upstream in cfg["pools"][0]["upstreams"]:
+        upstream["discover"] = True  # one member per engine pod: engine-<pod IP>
+    # through the pod's resolver (cluster DNS); a pod that goes drains for drain_s, then leaves the routing table
+    cfg["discovery"] = {"interval_s": DISCOVERY_INTERVAL_S, "drain_s": 30}
     text = yaml.safe_dump(cfg, sort_keys=False)
     return {
         "apiVersion": "v1",
@@ -173,7 +179,7 @@ def engine_statefulset(gpu: bool) -> dict:
         "kind": "StatefulSet",
         "metadata": {"name": "engine", "labels": ENGINE_LABELS},
         "spec": {
-            "serviceName": "engine",  # the headless Service: engine-0.engine..., engine-1.engine...
+            "serviceName": "engine",  # the headless Service, whose name the gateways resolve to find the pods
             "replicas": ENGINE_REPLICAS,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": ENGINE_LABELS},
@@ -188,7 +194,9 @@ def engine_service() -> dict:
         "kind": "Service",
         "metadata": {"name": "engine", "labels": ENGINE_LABELS},
         "spec": {
-            "clusterIP": "None",  # headless: one DNS name per pod, no load balancing in the way of the gateway's
+            # headless: its name resolves to each ready pod's address (the gateways' discovery), no load balancing
+            # in the way of the gateway's
+            "clusterIP": "None",
             "publishNotReadyAddresses": False,
             "selector": ENGINE_LABELS,
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}],

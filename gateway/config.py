@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import ipaddress
 import os
 import tomllib
 import types
@@ -56,8 +57,8 @@ class UpstreamConfig:
     """One instance of a pool: our engine or any OpenAI-compatible server."""
 
     base_url: str
-    # What metrics, events, logs and tenants' errors call it; never its address (a tenant must not learn where the
-    # upstreams live). Empty: its pool names it `<model>-<position>`.
+    # What metrics, events, logs and tenants' errors call it; never its address in a tenant's error (a tenant must
+    # not learn where the upstreams live). Empty: its pool names it `<model>-<position>`.
     name: str = ""
     # Sent as 'Authorization: Bearer <api_key>' on every call: requests, /abort, /load and /v1/models polls.
     api_key: str | None = field(default=None, repr=False)
@@ -72,8 +73,20 @@ class UpstreamConfig:
     # The model version it serves, for events (`model_revision`) and the model_info metric; unset, our engine's
     # model-file digest (its /load says it).
     revision: str | None = None
+    # Requests it serves at once, counted across every gateway replica (leases in the shared state, which lapse when
+    # the replica holding them dies); a full member is passed over for the next hop in the plan, and when every
+    # member is full the request waits (up to the queue timeout); a mirror to a full shadow member is dropped. A
+    # prefill member's short hops are not counted. None: unbounded (LiteLLM's name for it).
+    max_parallel_requests: int | None = None
     # Draining: it takes no new requests; those it serves finish (then remove it: DELETE /admin/pools/.../members/..)
     draining: bool = False
+    # Discovery: base_url's host is a DNS name for many instances (a Kubernetes headless Service), resolved every
+    # `discovery.interval_s`. Each address is a member of its own, `<name>-<address>` (metrics and events carry the
+    # address; tenants' errors only the name), at base_url with the address for the host; it takes requests once its
+    # /load (engines) or /health answers. An address that vanishes drains, then leaves after `discovery.drain_s`.
+    # The admin API drains or removes it as one member, by its own name. (https: the certificate must name the
+    # addresses.)
+    discover: bool = False
 
     # The admin API reads this class from JSON (pydantic): unknown keys are refused there as in the file.
     __pydantic_config__ = _STRICT
@@ -84,6 +97,8 @@ class UpstreamConfig:
             raise ValueError(f"{who}: base_url is an http:// or https:// URL; names are plain text")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"{who}: role is both, prefill or decode, got {self.role!r}")
+        if self.max_parallel_requests is not None and self.max_parallel_requests < 1:
+            raise ValueError(f"{who}: max_parallel_requests >= 1 (or null: unbounded)")
         if self.role != "both" and not self.engine:
             raise ValueError(f"{who}: only our engines take the prefill and decode roles")
         # With or without the /v1 suffix: the gateway appends /v1/... paths itself.
@@ -206,6 +221,11 @@ class PoolConfig:
 class StateConfig:
     """The shared state backend (Redis): its connection pool, and what to do while it is unreachable."""
 
+    # state_url names one node of a Redis Cluster (any: the others are found from it). Each team's keys share one hash
+    # slot, so every script runs on one primary; MOVED / ASK are followed, and a failover answers as an unreachable
+    # state (below) until the replica is promoted. Each node has a pool of max_connections, which raises at once
+    # when full (the request path does not use it).
+    cluster: bool = False
     max_connections: int = 256  # the pool blocks up to pool_timeout_s for a free connection, never raises at once
     pool_timeout_s: float = 2.0
     timeout_s: float = 2.0  # connect and per-command socket timeout
@@ -216,10 +236,18 @@ class StateConfig:
     # how often each replica checks that Redis still holds its data (an epoch marker); a loss is repaired within
     # about twice this (gateway.state.repair)
     watch_s: float = 1.0
+    # How long a replica that died holds on: its concurrency leases lapse lease_s after it stopped renewing them
+    # (every lease_s / 3), its budget holds hold_s after they were taken. A hold must outlive the longest request
+    # (else a running request's hold is given back early): null is timeouts.queue_s + timeouts.total_s + 60 s, at
+    # least 900 s.
+    lease_s: float = 60.0
+    hold_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.watch_s <= 0:
             raise ValueError(f"state.watch_s: expected a number of seconds > 0, got {self.watch_s!r}")
+        if self.lease_s <= 0 or (self.hold_s is not None and self.hold_s <= 0):
+            raise ValueError("state: lease_s > 0 and hold_s > 0 (or null)")
         if self.on_unavailable not in ("fail_closed", "fail_open"):
             raise ValueError(f"state.on_unavailable: expected fail_closed or fail_open, got {self.on_unavailable!r}")
         if self.max_connections < 1 or self.pool_timeout_s <= 0 or self.timeout_s <= 0:
@@ -238,6 +266,50 @@ class TimeoutConfig:
 class BreakerConfig:
     failures: int = 3  # consecutive failures that open an instance's circuit
     cooldown_s: float = 10.0  # then one half-open probe is let through
+
+
+@dataclass
+class DiscoveryConfig:
+    """How the members marked `discover` find their addresses: their host name resolved every `interval_s` (a
+    Kubernetes headless Service's name gives one address per ready pod). A failed resolution, or an answer with no
+    address, keeps the addresses known before (logged once): a DNS hiccup never empties a pool. Until its name first
+    resolves, such a member is one instance at its name (the connection resolves it)."""
+
+    interval_s: float = 5.0
+    # DNS servers asked directly (dnspython), as IP:port or IP (port 53), [IPv6]:port; the name is queried as
+    # written (fully qualified: no search domains). Empty: the system's resolver (getaddrinfo: /etc/hosts, and
+    # resolv.conf's search domains, as a pod resolves `engine.<namespace>.svc.cluster.local`).
+    nameservers: list[str] = field(default_factory=list)
+    timeout_s: float = 2.0  # one resolution of one name
+    drain_s: float = 30.0  # a vanished address drains this long (no new requests), then leaves the routing table
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s < _FOREVER_S or not 0 < self.timeout_s < _FOREVER_S:
+            raise ValueError("discovery: interval_s and timeout_s are seconds > 0")
+        if not 0 <= self.drain_s < _FOREVER_S:
+            raise ValueError("discovery: drain_s is seconds >= 0")
+        for server in self.nameservers:
+            nameserver_address(server)
+
+    def nameserver_addresses(self) -> list[tuple[str, int]]:
+        return [nameserver_address(s) for s in self.nameservers]
+
+
+def nameserver_address(text: str) -> tuple[str, int]:
+    """`IP`, `IP:port` or `[IPv6]:port` as (IP, port); a ValueError naming it otherwise."""
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest or "53"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        address, number = ipaddress.ip_address(host), int(port)
+    except ValueError:
+        address, number = None, 0
+    if address is None or not 0 < number < 65536:
+        raise ValueError(f"discovery.nameservers: expected IP, IP:port or [IPv6]:port, got {text!r}")
+    return str(address), number
 
 
 @dataclass
@@ -403,6 +475,7 @@ class GatewayConfig:
     state: StateConfig = field(default_factory=StateConfig)
     pools: list[PoolConfig] = field(default_factory=list)
     aliases: list[AliasConfig] = field(default_factory=list)  # public names over weighted variants (pools)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)  # members found by DNS (`discover: true`)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -416,6 +489,9 @@ class GatewayConfig:
     load_poll_interval_s: float = 1.0
     # How often each replica checks the store for pools and aliases changed through the admin API (or a rollout)
     routing_poll_interval_s: float = 1.0
+    # With state_url: how often each replica shares the prompt prefixes it sent to each engine with the other replicas
+    # (and learns theirs) through Redis, so all of them route a team to the engine holding its prefix. 0: off.
+    prefix_index_sync_s: float = 0.2
     auth_cache_ttl_s: float = 1.0
     usage_flush_interval_s: float = 2.0
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are cut (and billed)
@@ -427,6 +503,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("workers: at least 1")
+        if not 0 <= self.prefix_index_sync_s < _FOREVER_S:
+            raise ValueError(f"prefix_index_sync_s: seconds >= 0 (0: off), got {self.prefix_index_sync_s!r}")
         if (error := routes_error(self.pools, self.aliases)) is not None:
             raise ValueError(error)
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import orjson
 import uvicorn
 
+from tokenweir.common.text import prefix_hash
+
 
 @dataclass
 class FakeRecord:
@@ -56,6 +58,11 @@ class FakeUpstream:
     max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
     ttft_ms: float = 0.0  # added to every answer's first-token delay (a slower model version)
     received: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (path, body)
+    # /load says it caches prompt prefixes in blocks of this many tokens, hashed as our engine hashes them (so a
+    # gateway routes to it by prefix); None: /load says nothing of a cache
+    block_size: int | None = None
+    in_progress: int = 0  # chat and completion requests being answered now
+    peak_in_progress: int = 0  # the most at once
 
     # --- counters for tests ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
@@ -82,12 +89,11 @@ class FakeUpstream:
             if path == "/health":
                 return await _json(send, 503 if self.down else 200, {"status": "ok"})
             if path == "/load":
-                running = self.running()
-                return await _json(
-                    send,
-                    200,
-                    {"num_running": running, "num_waiting": 0, "kv_cache_usage": 0.0, "num_free_blocks": 1000},
-                )
+                load = {"num_running": self.running(), "num_waiting": 0, "kv_cache_usage": 0.0, "num_free_blocks": 1000}
+                if self.block_size is not None:
+                    probe = prefix_hash.probe(self.block_size)
+                    load |= {"block_size": self.block_size, "prefix_caching": True, "prefix_hash_probe": probe}
+                return await _json(send, 200, load)
             card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
             return await _json(send, 200, {"object": "list", "data": [card]})
         if method != "POST":
@@ -124,12 +130,15 @@ class FakeUpstream:
         n_tokens = int(knobs.get("tokens", 16))
         if not knobs.get("overrun"):
             n_tokens = min(n_tokens, int(max_tokens))
+        self.in_progress += 1
+        self.peak_in_progress = max(self.peak_in_progress, self.in_progress)
         try:
             if req.get("stream"):
                 await self._stream(send, receive, req, record, n_tokens, knobs, chat)
             else:
                 await self._complete(send, req, record, n_tokens, knobs, chat)
         finally:
+            self.in_progress -= 1
             if record.status == "running":
                 record.status = "cancelled"
 

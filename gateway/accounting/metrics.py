@@ -172,7 +172,8 @@ class Metrics:
         # no team), beside the pool's own e2e_seconds for the comparison.
         self.shadow_requests = Counter(
             p + "shadow_requests",
-            "Requests mirrored to a shadow pool, by outcome (ok, error, timeout, dropped: too many in flight)",
+            "Requests mirrored to a shadow pool, by outcome (ok, error, timeout, dropped: too many in flight, or the "
+            "shadow member at its max_parallel_requests)",
             ["model", "shadow", "status"],
             registry=r,
         )

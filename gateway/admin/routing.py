@@ -75,7 +75,7 @@ def pool_out(services: Services, pool: Pool) -> dict:
         "model": pool.model,
         "source": "store" if ("pool", pool.model) in routes.entry_versions else "config",
         "routing_version": routes.version,
-        "config": pool_body(pool.cfg),
+        "config": pool_body(services.routing.declared_pool(pool.model) or pool.cfg),  # as written: not discovered
         "members": [member_out(i) for i in pool.instances],
         "queue": None if queue is None else {k: queue.stats()[k] for k in ("capacity", "in_use", "queued")},
     }

@@ -135,6 +135,7 @@ class RequestContext(RequestRecord):
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away
     ticket: Ticket | None = None
     hop: Hop | None = None
+    member_lease: tuple[str, str] | None = None  # (member, lease id): the hop's slot under its max_parallel_requests
     usage: dict | None = None
     incomplete: bool = False  # the upstream may still be generating: abort it in finish
     instance_ok: bool = True

@@ -29,6 +29,7 @@ from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Pool, Upstreams
 
+MEMBER_FULL = "its member serves max_parallel_requests already"  # try_hop's answer for a hop it did not try
 SHADOWS_IN_FLIGHT = 64  # mirrored requests out at once, per process: past it a sampled request is not mirrored
 
 
@@ -90,11 +91,19 @@ class Dispatcher:
                     break
                 hops = self.retry_plan(ctx)
                 self.metrics.retries.labels(ctx.model).inc()
-            for hop in hops:
-                answer = await self.try_hop(ctx, hop, end, hashes)
-                if isinstance(answer, Response):
-                    return answer
-                last = answer
+            waits = 0
+            while True:
+                tried = False
+                for hop in hops:
+                    answer = await self.try_hop(ctx, hop, end, hashes)
+                    if isinstance(answer, Response):
+                        return answer
+                    if answer is not MEMBER_FULL:
+                        tried, last = True, answer
+                if tried or not hops:
+                    break
+                waits += 1  # every member serves its max_parallel_requests: wait for one to finish, then ask again
+                await self.wait_for_member(ctx, waits)
         if ctx.prefill_pin is not None:
             self.release_prefill(ctx)
         raise APIError(
@@ -125,9 +134,17 @@ class Dispatcher:
         assert shadow is not None  # maybe_shadow mirrors only to one
         members = pools[shadow].ranked(time.monotonic())
         hop = Hop(shadow, members[0], shadow) if members else None
+        member, lease = "", None
         try:
             if hop is None:
                 return  # every member's circuit is open
+            cap = hop.instance.cfg.max_parallel_requests
+            if cap is not None:  # a mirror never waits for a member, nor pushes one past its cap
+                member = hop.instance.cfg.base_url
+                lease = await self.settler.members.take(member, cap)
+                if lease is None:
+                    status = "dropped"
+                    return
             hop.instance.take(time.monotonic())
             deadline = asyncio.get_running_loop().time() + self.pool_timeouts(pools[model].cfg)[1]
             ok = False
@@ -150,11 +167,20 @@ class Dispatcher:
                     if type(tokens) is int and tokens > 0:
                         self.metrics.shadow_tokens.labels(model, shadow, key.removesuffix("_tokens")).inc(tokens)
         finally:
+            if lease is not None:
+                await self.settler.members.give_back(member, lease)
             self.shadows_in_flight -= 1
             self.metrics.shadow_requests.labels(model, shadow, status).inc()
 
     async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
-        """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it)."""
+        """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it);
+        MEMBER_FULL, without trying it, when its member serves max_parallel_requests already."""
+        cap = hop.instance.cfg.max_parallel_requests
+        if cap is not None:
+            lease = await self.settler.members.take(hop.instance.cfg.base_url, cap)
+            if lease is None:
+                return MEMBER_FULL
+            ctx.member_lease = (hop.instance.cfg.base_url, lease)
         if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
             self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
         ctx.route.append(hop.label)
@@ -213,6 +239,24 @@ class Dispatcher:
             return False
         await asyncio.sleep(delay)
         return True
+
+    async def wait_for_member(self, ctx: RequestContext, waits: int) -> None:
+        """Every member of the plan is full (max_parallel_requests, counted across replicas): wait a little (growing
+        to 100 ms, with jitter: replicas waiting together do not ask together); past the request's queue timeout,
+        429 queue_timeout as from the dispatch queue. Polling, not a wake-up: the slot may free on another replica."""
+        loop = asyncio.get_running_loop()
+        queue_s = ctx.limits.queue_timeout_s or self.config.timeouts.queue_s
+        delay = min(0.1, 0.005 * 2**waits) * random.uniform(0.5, 1.0)
+        if loop.time() + delay >= ctx.deadline_base + queue_s:
+            ctx.outcome.decide("rejected", "queue_timeout", 429)
+            raise APIError(
+                429,
+                f"Timed out after {queue_s:g}s waiting for capacity: every instance of '{ctx.model}' serves as many "
+                "requests as it may. Retry shortly.",
+                "queue_timeout",
+                headers={"retry-after": "1"},
+            )
+        await asyncio.sleep(delay)
 
     def retry_plan(self, ctx: RequestContext) -> list[Hop]:
         """The route plan again, ranked by load now (the prompt's prefix home failed a moment ago)."""
@@ -462,7 +506,7 @@ class Dispatcher:
                 ctx.outcome.decide("error", "upstream_broken", 502)
                 ctx.incomplete, ctx.instance_ok = True, False
                 tail = relay.sse_error(
-                    f"The upstream stream broke off ({ctx.hop.label}); the response is incomplete.",
+                    f"The upstream stream broke off ({ctx.hop.public_label}); the response is incomplete.",
                     "upstream_broken",
                     "upstream_error",
                 )

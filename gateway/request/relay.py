@@ -45,7 +45,7 @@ def failed(hop: Hop, reason: str, cause: object = None) -> UpstreamFailed:
     detail = f"{hop.where}: {cause or reason}"
     hop.error = detail
     log.warning("upstream_failed", upstream=hop.label, base_url=hop.instance.cfg.base_url, error=str(cause or reason))
-    return UpstreamFailed(f"{hop.label}: {reason}", detail)
+    return UpstreamFailed(f"{hop.public_label}: {reason}", detail)
 
 
 class UpstreamRejected(Exception):
@@ -69,8 +69,8 @@ def request_fault(hop: Hop, error: object) -> UpstreamRejected | None:
         return None
     if error.get("code") in REQUEST_FAULT_CODES:
         message = (
-            f"{hop.label} failed while serving this request ({error.get('message')}); it is not retried on another "
-            "instance, since the request itself may be the cause."
+            f"{hop.public_label} failed while serving this request ({error.get('message')}); it is not retried on "
+            "another instance, since the request itself may be the cause."
         )
         error = {"message": message, "type": "upstream_error", "param": None, "code": "upstream_request_failed"}
         return UpstreamRejected(502, orjson.dumps({"error": error}))

@@ -34,6 +34,7 @@ from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
+from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
@@ -64,6 +65,7 @@ class Settler:
         rollouts: Rollouts | None = None,
     ) -> None:
         self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
+        self.members = MemberSlots(state)  # pool members' max_parallel_requests, across replicas
         self.rollouts = rollouts  # judges aliases' canaries by their requests' outcomes
         self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
         self.outbox, self.counter, self.background = outbox, counter, background
@@ -95,6 +97,10 @@ class Settler:
         self.events.emit(self.event(record, time.perf_counter(), 0, 0, 0))
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
+        if ctx.member_lease is not None:
+            member, lease_id = ctx.member_lease
+            ctx.member_lease = None
+            self.background.start(self.members.give_back(member, lease_id))
         if ctx.hop is not None:
             ctx.hop.done(ok, time.monotonic())
             self.metrics.in_flight.labels(ctx.model).dec()

@@ -51,9 +51,11 @@ from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.repair import StateWatch
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.discovery import Discovery
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.gateway.upstream.routing_sync import RoutingSync
+from tokenweir.gateway.upstream.shared_index import SharedPrefixIndex
 from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
 from tokenweir.policies.pricing import usd_to_femtos
 
@@ -89,7 +91,7 @@ def create_app(
         client = relay.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         background = BackgroundTasks()
-        routing = RoutingSync(upstreams, st, config.pools, config.aliases)
+        routing = RoutingSync(upstreams, st, config.pools, config.aliases, Discovery(config.discovery))
         decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
         rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
         admission = Admission(
@@ -136,9 +138,16 @@ def create_app(
         await usage.start()
         await outbox.start()
         upstreams.start(client)
+        shared_index = None
+        if isinstance(state, RedisState) and config.prefix_index_sync_s > 0:
+            shared_index = SharedPrefixIndex(state.client, state.keys.prefix, lambda: upstreams.pools)
+            upstreams.on_record = shared_index.publish
+            shared_index.poll.start(config.prefix_index_sync_s)
         with contextlib.suppress(*DB_ERRORS):  # the store away: the config's table until it answers
             await routing.refresh(force=True)
         routing.poll.start(config.routing_poll_interval_s)
+        await routing.rediscover()  # members found by DNS: their addresses before the first request
+        routing.discover.start(config.discovery.interval_s)
         rollouts.judge.start(config.routing_poll_interval_s)
         log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
         try:
@@ -152,11 +161,15 @@ def create_app(
             if admission.tracing is not None:  # what its exporter still holds goes out now
                 await asyncio.to_thread(admission.tracing.provider.shutdown)
             await routing.poll.close()
+            await routing.discover.close()
+            if shared_index is not None:
+                await shared_index.poll.close()
             await upstreams.close()
             await outbox.close()
             await usage.close()
             await events.close()
             admission.settler.journal.close()
+            await admission.settler.members.close()
             await client.aclose()
             if own_state and hasattr(state, "close"):
                 await state.close()
@@ -183,11 +196,13 @@ def make_state(config: GatewayConfig):
     sc = config.state
     return RedisState(
         config.state_url,
+        lease_s=sc.lease_s,
         # a hold outlives the longest request, so it is never reaped while its request still runs
-        hold_s=max(900.0, config.timeouts.queue_s + config.timeouts.total_s + 60.0),
+        hold_s=sc.hold_s or max(900.0, config.timeouts.queue_s + config.timeouts.total_s + 60.0),
         max_connections=sc.max_connections,
         pool_timeout_s=sc.pool_timeout_s,
         timeout_s=sc.timeout_s,
+        cluster=sc.cluster,
     )
 
 

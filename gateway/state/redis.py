@@ -10,6 +10,10 @@ tokens given back) by the next reserve, expired slot leases by the next acquire.
 background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
 increment; a window hash's TTL does follow its newest write, which is harmless because the counts inside age
 out by slot index, not by TTL (the TTL only garbage-collects an idle team's hash).
+On a Redis Cluster (`cluster=True`) every call touches the keys of one team, which share its `{team}` hash tag and so
+one slot: each script and each transaction runs on the one primary that serves it, and the two hot scripts go to it
+lean as on one server (gateway.state.redis_cluster_wire). A cluster that cannot answer (a node down, CLUSTERDOWN
+during a failover, no node reachable) is an unavailable state like a single Redis that cannot.
 Times come from the calling replica's clock (NTP-synced replicas agree to well within a 1 s slot). Every method,
 `snapshot` and `seed_spend` included, goes through the one asyncio client, bound to the event loop that first uses
 it: a caller on another thread runs the coroutine on that loop (asyncio.run_coroutine_threadsafe).
@@ -24,17 +28,21 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.maint_notifications import MaintNotificationsConfig
 
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.state.backend import Lease, StateUnavailable
 from tokenweir.gateway.state.redis_calls import PackedCalls, lim
+from tokenweir.gateway.state.redis_cluster_wire import ClusterHotScript, ClusterLines
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_leases import LeaseBook
 from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, RESERVE, SETTLE, script_args
 from tokenweir.gateway.state.redis_replies import merged_headers, reserve_rejection, snapshot_view
-from tokenweir.gateway.state.redis_wire import HotLine, HotScript
+from tokenweir.gateway.state.redis_wire import HotLine, HotScript, RedisClient
 from tokenweir.policies.budget import as_key_rejection
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import split_femtos
@@ -43,8 +51,9 @@ from tokenweir.policies.reservation import Reservation
 # What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
 # ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
 # write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
-# closed=True>"), not an OSError.
-REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError, RuntimeError)
+# closed=True>"), not an OSError. A cluster's client also raises RedisClusterException, not a RedisError (no node
+# reachable, a slot no node serves).
+REDIS_ERRORS = (redis.RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError)
 NO_KEY_LIMITS = KeyLimits()  # what a key without limits of its own is counted under
 
 
@@ -56,6 +65,10 @@ class RedisState:
     hold is never reaped while its request still runs). Every call has a socket timeout and the pool waits up
     to `pool_timeout_s` for a free connection instead of failing at once; a call that still fails raises
     `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release.
+
+    `cluster`: `url` names one node of a Redis Cluster (any; the others are found from it). Each node then has a
+    pool of its own of up to `max_connections`, which raises at once when full instead of waiting `pool_timeout_s`
+    (redis-py's cluster client has no blocking pool; the request path's two calls use no pooled connection).
 
     `require_seeded`: refuse (StateUnseeded) a team Redis holds no seeded spend for, after calling `on_unseeded`
     (which may seed it and answer True, and the reserve is tried again); the app sets both (gateway.state.repair)."""
@@ -72,27 +85,43 @@ class RedisState:
         timeout_s: float = 2.0,
         clock=time.time,
         require_seeded: bool = False,
+        cluster: bool = False,
     ) -> None:
         assert lease_s > 0 and (hold_s is None or hold_s > 0)
         self._keys = RedisKeyLayout(prefix)
         self.lease_s, self._clock = lease_s, clock
         self.hold_s = hold_s or lease_s
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=pool_timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            decode_responses=True,
-            # off (its default is on where the server offers them), so that the pool checks each connection it
-            # hands out and reconnects one Redis closed while it sat idle (after a restart or a cut)
-            maint_notifications_config=MaintNotificationsConfig(enabled=False),
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
-        # a request's two calls go lean (gateway.state.redis_wire), their arguments packed from caches
-        self._line = HotLine(pool) if HotLine.serves(pool) else None
-        self._reserve_script = HotScript(self._redis, RESERVE, self._line)
-        self._settle = HotScript(self._redis, SETTLE, self._line)
+        self._redis: RedisClient
+        self._reserve_script: HotScript | ClusterHotScript
+        self._settle: HotScript | ClusterHotScript
+        self._line: HotLine | None = None
+        self._lines: ClusterLines | None = None
+        timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        if cluster:
+            # no retries: a command whose connection was lost may have run (ACQUIRE twice takes two leases), and a
+            # cluster client retrying a pipeline first closes every connection, those of other callers too
+            cluster_client = aioredis.RedisCluster.from_url(
+                url, max_connections=max_connections, decode_responses=True, retry=Retry(NoBackoff(), 0), **timeouts
+            )
+            self._redis, self._lines = cluster_client, ClusterLines(cluster_client)
+            self._reserve_script = ClusterHotScript(self._lines, RESERVE)
+            self._settle = ClusterHotScript(self._lines, SETTLE)
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=pool_timeout_s,
+                decode_responses=True,
+                # off (its default is on where the server offers them), so that the pool checks each connection it
+                # hands out and reconnects one Redis closed while it sat idle (after a restart or a cut)
+                maint_notifications_config=MaintNotificationsConfig(enabled=False),
+                **timeouts,
+            )
+            self._redis = client = aioredis.Redis(connection_pool=pool)
+            # a request's two calls go lean (gateway.state.redis_wire), their arguments packed from caches
+            self._line = HotLine(pool.connection_kwargs) if HotLine.serves(pool) else None
+            self._reserve_script = HotScript(client, RESERVE, self._line)
+            self._settle = HotScript(client, SETTLE, self._line)
         self._calls = PackedCalls(self._keys)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._lease_book = LeaseBook(self._redis, self._keys, lease_s, clock, REDIS_ERRORS)
@@ -101,7 +130,9 @@ class RedisState:
         self.on_unseeded: Callable[[str], Awaitable[bool]] | None = None
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> RedisClient:
+        """The client, for other keys under this prefix too; on a cluster a RedisCluster: each command and each
+        transaction over keys of one slot."""
         return self._redis
 
     @property
@@ -371,7 +402,10 @@ class RedisState:
     async def ping(self) -> None:
         """Readiness: StateUnavailable when Redis does not answer."""
         try:
-            await self._redis.ping()
+            if isinstance(self._redis, aioredis.RedisCluster):
+                await self._redis.ping(target_nodes=aioredis.RedisCluster.PRIMARIES)
+            else:
+                await self._redis.ping()
         except REDIS_ERRORS as e:
             raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
 
@@ -379,4 +413,6 @@ class RedisState:
         await self._lease_book.close()
         if self._line is not None:
             self._line.close()
+        if self._lines is not None:
+            self._lines.close()
         await self._redis.aclose()

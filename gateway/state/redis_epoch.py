@@ -2,15 +2,22 @@
 it (a FLUSH, a failover to an empty replica, a restart without persistence).
 
 `<prefix>:epoch` names the generation: it is set once every team's spend was seeded from the store, and every team's
-meta hash carries the epoch it was seeded in (the RESERVE script refuses a team without one). A replica puts back
-the holds and leases it still has in flight (`restore`); one replica at a time (`lock`) seeds every team
-(`seed_team`). When to do which is gateway.state.repair's job.
+meta hash carries the epoch it was seeded in (the RESERVE script refuses a team without one). On a Redis Cluster a
+primary can lose its data alone (a failover to a replica that had none), so the marker is kept once per primary
+(`<prefix>:epoch:{<tag>}`, the tag chosen to land on the lowest slot it serves): any one missing is a loss. A
+replica puts back the holds and leases it still has in flight (`restore`); one replica at a time (`lock`) seeds every
+team (`seed_team`). When to do which is gateway.state.repair's job.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
+
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis_lua import script_args
@@ -50,6 +57,12 @@ class SubjectSpend:
     month_cost: int = 0
 
 
+@functools.cache
+def slot_tag(slot: int) -> str:
+    """A short hash tag whose keys live in cluster slot `slot`: the first of "0", "1", "2", ... that does."""
+    return next(tag for tag in map(str, itertools.count()) if key_slot(tag.encode()) == slot)
+
+
 class RedisEpoch:
     """The epoch marker, the repair lock, and the SEED / RESTORE scripts of one `RedisState`."""
 
@@ -62,11 +75,34 @@ class RedisEpoch:
         self._restore = self.redis.register_script(RESTORE)
 
     async def current(self) -> str | None:
-        """The epoch Redis holds (None: never seeded, or its data is gone)."""
-        return cast("str | None", await self.redis.get(self._epoch_key))  # decode_responses: str, never bytes
+        """The epoch Redis holds (None: never seeded, or its data is gone; on a cluster, gone from any primary, or
+        the primaries disagree while a replica is setting a new one)."""
+        markers = await self._markers()
+        if len(markers) == 1:
+            return cast("str | None", await self.redis.get(markers[0]))  # decode_responses: str, never bytes
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in markers:
+                pipe.get(key)
+            values = await pipe.execute()
+        return cast("str | None", values[0]) if len(set(values)) == 1 else None
 
     async def set(self, epoch: str) -> None:
-        await self.redis.set(self._epoch_key, epoch)
+        for key in await self._markers():
+            await self.redis.set(key, epoch)
+
+    async def _markers(self) -> list[str]:
+        """The epoch's keys: one on one server; on a cluster one per primary, on the lowest slot it serves (the slot
+        stays with its shard across a failover; after a resharding a marker may be missing once, which rebuilds)."""
+        client = self.redis
+        if not isinstance(client, RedisCluster):
+            return [self._epoch_key]
+        if not client.nodes_manager.slots_cache:
+            await client.initialize()
+        lowest: dict[str, int] = {}
+        for slot, nodes in client.nodes_manager.slots_cache.items():
+            if slot < lowest.get(nodes[0].name, REDIS_CLUSTER_HASH_SLOTS):
+                lowest[nodes[0].name] = slot
+        return [f"{self._epoch_key}:{{{slot_tag(slot)}}}" for slot in sorted(lowest.values())]
 
     async def lock(self, owner: str, ttl_s: float) -> bool:
         """The right to seed, for `ttl_s` (a replica that dies seeding lets the next one try)."""

@@ -13,16 +13,15 @@ import contextlib
 import math
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_lua import RENEW
+from tokenweir.gateway.state.redis_wire import RedisClient
 
 
 class LeaseBook:
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         keys: RedisKeyLayout,
         lease_s: float,
         clock: Callable[[], float],

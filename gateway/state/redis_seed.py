@@ -8,7 +8,9 @@ from __future__ import annotations
 # Add the store's spend of this day / month to every subject of one team (the team, then its API keys) and mark the
 # team seeded in `epoch`; a second call in the same epoch adds nothing (returns 0). It adds rather than sets: what
 # the team's requests settled since the loss is in Redis already, and the store may hold it too, so a rebuilt
-# budget can count a request twice (it refuses early) but never forgets one.
+# budget can count a request twice (it refuses early) but never forgets one. A team whose meta still carries an
+# earlier epoch's marker lost nothing (a loss takes a team's keys together: one slot, one server) and is only marked:
+# only part of a cluster may have lost its data, or only the epoch marker.
 SEED_ARGV = ("epoch", "day_expire_s", "month_expire_s")
 # Then, per subject: day_tokens, month_tokens, day_cost, day_cost_rem, month_cost, month_cost_rem (whole micro-USD and
 # the femto-USD below one, as the SETTLE script keeps them); KEYS: the team's meta hash, then per subject its day and
@@ -16,7 +18,12 @@ SEED_ARGV = ("epoch", "day_expire_s", "month_expire_s")
 SEED = """
 local meta, epoch = KEYS[1], ARGV[1]
 local day_expire_s, month_expire_s = ARGV[2], ARGV[3]
-if redis.call('HGET', meta, 'seeded') == epoch then return 0 end
+local seeded = redis.call('HGET', meta, 'seeded')
+if seeded == epoch then return 0 end
+if seeded then
+  redis.call('HSET', meta, 'seeded', epoch)
+  return 0
+end
 local function add(hash, tokens, micros, rem, expire_s)
   redis.call('HINCRBY', hash, 'spent', tokens)
   redis.call('HINCRBY', hash, 'cost_spent', micros)

@@ -13,6 +13,7 @@ exceptions (its own error-code table), and NOSCRIPT (Redis lost its scripts: a r
 loads the script and sends the call once more, as `Script.__call__` does. A TLS URL (rediss://) keeps redis-py's
 pooled connections for these calls (`HotScript` without a line): checked out and back in, read by the connection's
 parser, disconnected on a ConnectionError or TimeoutError as execute_command does (its retry makes no retries here).
+On a Redis Cluster the same lines carry these calls, one per primary (gateway.state.redis_cluster_wire).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import hashlib
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import hiredis
@@ -31,6 +32,9 @@ from redis.asyncio.connection import Connection, ConnectionPool, UnixDomainSocke
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# the clients RedisState runs on: one server's, or a cluster's
+RedisClient = aioredis.Redis | aioredis.RedisCluster
 
 
 def bulk(value: Any) -> bytes:
@@ -60,6 +64,9 @@ def bulk(value: Any) -> bytes:
 
 def bulks(values: Iterable[Any]) -> bytes:
     return b"".join(map(bulk, values))
+
+
+ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
 
 class _Wire(asyncio.Protocol):
@@ -152,14 +159,14 @@ class _Wire(asyncio.Protocol):
 
 
 class HotLine:
-    """The hot scripts' own connection to Redis, made from `pool`'s settings, opened on first use and remade on the
-    next call after it was lost. One connection carries every hot call of this process, pipelined (Redis runs
-    scripts one at a time anyway); it belongs to the event loop that opened it, and a call from another loop
+    """The hot scripts' own connection to Redis, made from a pool's settings (its connection_kwargs; on a cluster, a
+    primary's: gateway.state.redis_cluster_wire), opened on first use and remade on the next call after it was
+    lost. One connection carries every hot call of this process (on a cluster, to that primary), pipelined (Redis
+    runs scripts one at a time anyway); it belongs to the event loop that opened it, and a call from another loop
     opens another."""
 
-    def __init__(self, pool: ConnectionPool) -> None:
-        assert self.serves(pool)
-        self._settings = pool.connection_kwargs
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        self._settings = settings  # a pool's (or a cluster node's) connection_kwargs
         self._wire: _Wire | None = None
         self._opening: asyncio.Task[_Wire] | None = None
 
@@ -173,6 +180,14 @@ class HotLine:
         if wire is None or wire.lost is not None or wire.loop is not asyncio.get_running_loop():
             wire = await self._open()
         return await wire.send(packed)
+
+    async def call_asking(self, packed: bytes) -> Any:
+        """ASKING, then the call, back to back on this line (a cluster's ASK redirection: the slot is being migrated
+        here); the call's reply."""
+        wire = self._wire
+        if wire is None or wire.lost is not None or wire.loop is not asyncio.get_running_loop():
+            wire = await self._open()
+        return (await asyncio.gather(wire.send(ASKING), wire.send(packed)))[1]
 
     async def _open(self) -> _Wire:
         """Callers that find no connection wait on one opening (shielded: a cancelled caller does not abort it)."""

@@ -63,6 +63,7 @@ class StateWatch:
         self.epoch = RedisEpoch(state)
         self.known: str | None = None  # the epoch this replica last saw whole
         self.seen: str | None = None  # what it read last (logged once per change)
+        self._seeding: dict[str, asyncio.Future[bool]] = {}  # a new team's seeding, shared by its first requests
         state.require_seeded = True
         state.on_unseeded = self.seed_new_team
 
@@ -119,7 +120,21 @@ class StateWatch:
 
     async def seed_new_team(self, team_id: str) -> bool:
         """A team Redis has no seeded spend for, on its first request: seed it at once when the epoch is the one
-        this replica knows (a team created since); False while the whole state is being rebuilt."""
+        this replica knows (a team created since); False while the whole state is being rebuilt. The requests that
+        arrive together for it wait on one seeding (a burst does not read the store once per request)."""
+        seeding = self._seeding.get(team_id)
+        if seeding is None:
+            seeding = self._seeding[team_id] = asyncio.ensure_future(self._seed_new_team(team_id))
+
+            def done(seeded: asyncio.Future[bool]) -> None:
+                self._seeding.pop(team_id, None)
+                if not seeded.cancelled():
+                    seeded.exception()  # retrieved even if every waiter left
+
+            seeding.add_done_callback(done)
+        return await asyncio.shield(seeding)
+
+    async def _seed_new_team(self, team_id: str) -> bool:
         current = await self.epoch.current()
         if current is None or current != self.known:
             return False

@@ -251,3 +251,19 @@ async def request_json(
         return orjson.loads(raw) if r.status_code == 200 else None
     except (HTTPError, TimeoutError, orjson.JSONDecodeError):
         return None
+
+
+async def request_ok(
+    client: UpstreamClient, url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 2.0
+) -> bool:
+    """Whether a GET of `url` answers 2xx within `timeout_s`, its body read and ignored (a /health probe)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            r = await client.request("GET", url, b"", headers)
+            try:
+                await r.read()
+            finally:
+                await r.aclose()
+        return 200 <= r.status_code < 300
+    except (HTTPError, TimeoutError):
+        return False

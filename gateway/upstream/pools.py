@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from tokenweir.gateway.config import (
     UpstreamConfig,
     routes_error,
 )
-from tokenweir.gateway.upstream.client import UpstreamClient, request_json
+from tokenweir.gateway.upstream.client import UpstreamClient, request_json, request_ok
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies import routing
 from tokenweir.policies.canary import RolloutState
@@ -267,8 +268,15 @@ class Hop:
 
     @property
     def label(self) -> str:
-        """Pool and instance name: what events, metrics and tenants' errors show (never an address)."""
+        """Pool and instance name: what events and metrics show (an address only in a discovered member's name)."""
         return f"{self.model}@{self.instance.name}"
+
+    @property
+    def public_label(self) -> str:
+        """What tenants' errors show: the label, a discovered member's as declared (its name, without the address
+        its instance is named by: gateway/upstream/discovery.py `expand`)."""
+        name = self.instance.name
+        return f"{self.model}@{name.rsplit('-', 1)[0] if self.instance.cfg.discover else name}"
 
     @property
     def where(self) -> str:
@@ -312,6 +320,8 @@ class Upstreams:
         self.poll_interval_s = config.load_poll_interval_s
         self._poller: asyncio.Task | None = None
         self._client: UpstreamClient | None = None
+        # (pool, instance, block hashes) of each prompt sent, for the other replicas (gateway/upstream/shared_index.py)
+        self.on_record: Callable[[str, str, list[int]], None] | None = None
 
     @property
     def pools(self) -> dict[str, Pool]:
@@ -322,7 +332,10 @@ class Upstreams:
         return self.routes.aliases
 
     def _instance(self, cfg: UpstreamConfig, model: str) -> Instance:
-        return Instance(cfg, self.breaker, model=model, metrics=self.metrics)
+        inst = Instance(cfg, self.breaker, model=model, metrics=self.metrics)
+        if cfg.discover:  # found by DNS: no requests until its /load (or /health) answers (a pod not ready yet)
+            inst.mark_down(time.monotonic())
+        return inst
 
     def apply(
         self,
@@ -366,6 +379,8 @@ class Upstreams:
             for inst in pool.instances:
                 if id(inst) not in kept:
                     inst.forget_metrics()
+                    if inst.index is not None:  # what it cached is not what a later member of that name will
+                        inst.index.forget_instance(inst.name)
         self.routes = Routes(
             new,
             {a.model: a for a in aliases},
@@ -430,12 +445,15 @@ class Upstreams:
         (only for the requested pool's own engines: a fallback pool's tokenizer may differ)."""
         if hashes and not hop.fallback and hop.instance.cfg.engine and hop.instance.index is not None:
             hop.instance.index.record(hop.instance.name, hashes)
+            if self.on_record is not None:
+                self.on_record(hop.model, hop.instance.name, hashes)
 
     # --- load poller --------------------------------------------------------------------------------------
     def start(self, client: UpstreamClient) -> None:
-        """Poll our engines' /load; a table applied later that brings the first engine starts the poller then."""
+        """Poll our engines' /load (and discovered members' /health until they answer); a table applied later that
+        brings the first of them starts the poller then."""
         self._client = client
-        if any(i.cfg.engine for p in self.pools.values() for i in p.instances):
+        if any(i.cfg.engine or i.cfg.discover for p in self.pools.values() for i in p.instances):
             self._poller = asyncio.create_task(self._poll_forever(client))
 
     async def close(self) -> None:
@@ -445,13 +463,25 @@ class Upstreams:
 
     async def _poll_forever(self, client: UpstreamClient) -> None:
         while True:
-            engines = [i for p in self.pools.values() for i in p.instances if i.cfg.engine]
-            await asyncio.gather(*(self._poll(client, i) for i in engines))
+            polled = [i for p in self.pools.values() for i in p.instances if i.cfg.engine or _pending(i)]
+            await asyncio.gather(*(self._poll(client, i) for i in polled))
             await asyncio.sleep(self.poll_interval_s)
+
+    async def poll_pending(self) -> None:
+        """Poll the discovered members that have not answered yet, now: a new address takes requests within a
+        round trip of joining, not a poll interval."""
+        if self._client is not None:
+            pending = [i for p in self.pools.values() for i in p.instances if _pending(i)]
+            await asyncio.gather(*(self._poll(self._client, i) for i in pending))
 
     @staticmethod
     async def _poll(client: UpstreamClient, inst: Instance) -> None:
         sent = time.monotonic()
+        if not inst.cfg.engine:  # a discovered external member: up once its /health answers 2xx
+            if await request_ok(client, f"{inst.cfg.base_url}/health", headers=inst.auth_headers()) and _pending(inst):
+                inst.mark_up()
+                get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
+            return
         query = ""
         if inst.evicted_seq is not None and inst.evicted_epoch is not None:
             query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
@@ -466,6 +496,11 @@ class Upstreams:
                 inst.learn_revision(revision[:64])
             if inst.max_model_len is None:
                 inst.max_model_len = await _model_len(client, inst)
+
+
+def _pending(inst: Instance) -> bool:
+    """A discovered member that has not answered a poll since it joined."""
+    return inst.cfg.discover and inst.down_since is not None
 
 
 async def _model_len(client: UpstreamClient, inst: Instance) -> int | None:

@@ -1,6 +1,8 @@
 """Runtime pools and aliases: the config file's are the seed, the store's entries (written through the admin API,
 or by a rollout) override them by name, and every replica polls the store's routing version and swaps in the new
-table within `interval_s` of a change (at once on the replica that made it).
+table within `interval_s` of a change (at once on the replica that made it). Members found by DNS are expanded
+into one per address (gateway/upstream/discovery.py) right before a table is applied, and the last composed table
+is applied again when their addresses change.
 
 An entry's body is JSON: a pool is PoolConfig's fields (read as strictly as the config file); an alias is
 `{"alias": AliasConfig's fields, "rollout_state": RolloutState or null}`. A body of None removes the name.
@@ -18,6 +20,7 @@ from tokenweir.common.logging import get_logger
 from tokenweir.gateway.config import AliasConfig, PoolConfig, parse_section, routes_error
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.discovery import Discovery
 from tokenweir.gateway.upstream.periodic import Periodic
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.canary import RolloutState
@@ -112,12 +115,20 @@ class RoutingSync:
     """Keeps this replica's routing table in step with the store."""
 
     def __init__(
-        self, upstreams: Upstreams, store: Store, seed_pools: list[PoolConfig], seed_aliases: list[AliasConfig]
+        self,
+        upstreams: Upstreams,
+        store: Store,
+        seed_pools: list[PoolConfig],
+        seed_aliases: list[AliasConfig],
+        discovery: Discovery | None = None,
     ) -> None:
-        self.upstreams, self.store = upstreams, store
+        self.upstreams, self.store, self.discovery = upstreams, store, discovery
         self.seed_pools, self.seed_aliases = list(seed_pools), list(seed_aliases)
         self.version = 0  # the store's routing version applied here
+        # the last table applied, as composed (before discovery's expansion), and its version
+        self.applied = (0, Composed(self.seed_pools, self.seed_aliases, {}, {}))
         self.poll = Periodic(self.refresh, "routing_refresh_failed")  # the store away: the table we have stands
+        self.discover = Periodic(self.rediscover, "discovery_failed")
 
     def composed(self, entries: list[RoutingEntry]) -> Composed:
         return compose(self.seed_pools, self.seed_aliases, entries)
@@ -133,17 +144,34 @@ class RoutingSync:
             log.error("routing_table_invalid", version=version, error=error)
             self.version = version
             return False
-        self.upstreams.apply(
-            composed.pools,
-            composed.aliases,
-            version,
-            declared=composed.declared,
-            rollouts=composed.rollouts,
-            entry_versions=composed.entry_versions,
-        )
+        self._apply(version, composed)
         if version != self.version:
             log.info(
                 "routing_table_applied", version=version, pools=len(composed.pools), aliases=len(composed.declared)
             )
         self.version = version
         return True
+
+    def declared_pool(self, model: str) -> PoolConfig | None:
+        """Pool `model` of the table applied, as composed: its discovered members as written, not one per address."""
+        return next((p for p in self.applied[1].pools if p.model == model), None)
+
+    async def rediscover(self) -> None:
+        """Resolve the discovered members' names again: when their addresses changed, the last table applied goes in
+        again with the new expansion, and the new addresses are asked at once whether they are up."""
+        if self.discovery is None or not await self.discovery.refresh(self.applied[1].pools):
+            return
+        self._apply(*self.applied)  # as it is now: a refresh may have applied a newer table meanwhile
+        await self.upstreams.poll_pending()
+
+    def _apply(self, version: int, composed: Composed) -> None:
+        pools = composed.pools if self.discovery is None else self.discovery.expand(composed.pools)
+        self.upstreams.apply(
+            pools,
+            composed.aliases,
+            version,
+            declared=composed.declared,
+            rollouts=composed.rollouts,
+            entry_versions=composed.entry_versions,
+        )
+        self.applied = (version, composed)

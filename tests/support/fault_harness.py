@@ -15,6 +15,10 @@ editable install's: `Gateway.imported_from()` prints where `gateway` really come
 
 `before=True` writes HEAD's config format: no `state:` section (HEAD's loader rejects unknown keys).
 
+`Stack(..., cluster=LocalCluster(proxied=True))` (tests/support/redis_cluster.py): the gateways' state is that Redis
+Cluster (`state.cluster: true`) instead of the single Redis, reached through one proxy per node, which
+`st.redis_proxy` cuts, restores and slows all at once (the cluster itself); the checks read the nodes directly.
+
 Invariants every scenario checks once its traffic has ended (tests/process/faults/scenarios.py: `settle_and_stop`,
 `check_contract`), whatever the fault:
   (a) served <= reserved, per request: an event's completion_tokens never exceed its max_tokens (the output its
@@ -267,12 +271,14 @@ class Stack:
         store: str = "sqlite",
         upstream_proxy: bool = False,
         redis_proxy: bool = True,
+        cluster=None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.before = before
         self.store_kind = store
         self._want_upstream_proxy, self._want_redis_proxy = upstream_proxy, redis_proxy
+        self.cluster = cluster  # a proxied LocalCluster: the state is that cluster
         self.gateways: list[Gateway] = []
         self.teams: list[Team] = []
         self.seeded: dict[str, int] = {}  # team id -> tokens of usage put in the store before the traffic
@@ -309,7 +315,10 @@ class Stack:
         if self._want_upstream_proxy:
             self.upstream_proxy = TCPProxy(self.upstream.port).start()
             self._closers.append(self.upstream_proxy.stop)
-        if self._want_redis_proxy:
+        if self.cluster is not None:
+            self.cluster.wait_ok()
+            self.redis_proxy = self.cluster  # cut / restore / latency_s on every node's proxy
+        elif self._want_redis_proxy:
             self.redis_proxy = TCPProxy(REDIS_PORT, REDIS_HOST).start()
             self._closers.append(self.redis_proxy.stop)
         if self.store_kind == "sqlite":
@@ -333,6 +342,10 @@ class Stack:
         for gw in self.gateways:
             with contextlib.suppress(Exception):
                 gw.kill()
+        if self.cluster is not None:  # whole again for the next scenario: no cut, no latency
+            with contextlib.suppress(Exception):
+                self.cluster.restore()
+                self.cluster.latency_s = 0.0
         with contextlib.suppress(Exception):
             self.clean_redis()
         for fn in reversed(self._closers):
@@ -376,6 +389,8 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
+        if self.cluster is not None:
+            return self.cluster.url
         port = self.redis_proxy.port if self.redis_proxy is not None else REDIS_PORT
         return f"redis://127.0.0.1:{port}/0"
 
@@ -422,6 +437,8 @@ class Stack:
         if state == "redis" and not self.before:
             # HEAD's loader rejects unknown keys: the `state:` section only exists in the fixed format
             cfg["state"] = {"max_connections": 64, "pool_timeout_s": 5.0, "timeout_s": 1.0, **(state_opts or {})}
+            if self.cluster is not None:
+                cfg["state"]["cluster"] = True
         return cfg
 
     def gateway(self, name: str, **kwargs) -> Gateway:
@@ -456,8 +473,11 @@ class Stack:
         return sum(records[i].prompt_tokens + records[i].completion_tokens for i in upstream_ids if i in records)
 
     def redis_client(self):
+        """The state's Redis, directly (not through the proxy): the single one, or the cluster's nodes."""
         import redis
 
+        if self.cluster is not None:
+            return self.cluster.client()
         return redis.Redis(host=REDIS_HOST, port=REDIS_PORT, decode_responses=True, socket_timeout=5)
 
     def redis_leaks(self, team_id: str) -> dict:

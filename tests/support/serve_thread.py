@@ -29,15 +29,15 @@ class _Server(uvicorn.Server):
 class ServerThread:
     """Run any ASGI app under uvicorn in a daemon thread on a free port (tests and benchmarks)."""
 
-    def __init__(self, app, port: int | None = None, **uvicorn_kwargs) -> None:
-        self.port = port or free_port()
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1", **uvicorn_kwargs) -> None:
+        self.host, self.port = host, port or free_port()
         kwargs = {"log_level": "warning", "lifespan": "on", **uvicorn_kwargs}
-        self.server = _Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **kwargs))
+        self.server = _Server(uvicorn.Config(app, host=host, port=self.port, **kwargs))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run `coro` on the app's event loop and wait for its result: what the app holds (a Redis asyncio client's

@@ -1,11 +1,14 @@
-"""Shared by the state-backend tests: the real Redis's URL, a settable clock at a fixed date, and a fresh key prefix
-on the real Redis (`redis_prefix`, a fixture every test folder sees: tests/conftest.py loads this module)."""
+"""Shared by the state-backend tests: the real Redis's URL, a settable clock at a fixed date, a fresh key prefix on the
+real Redis (`redis_prefix`), where a test's RedisStates live (`redis_at`: the real Redis or the session's Redis
+Cluster), and the local clusters (tests/support/redis_cluster.py). Fixtures every test folder sees: tests/conftest.py
+loads this module."""
 
 import uuid
 from datetime import UTC, datetime
 
 import pytest
 
+from tests.support.redis_cluster import redis_cluster, redis_cluster_proxied  # noqa: F401 - fixtures, seen everywhere
 from tests.support.services import require_service
 
 URL = "redis://127.0.0.1:6379/0"
@@ -46,6 +49,20 @@ def drop_redis_prefix(prefix: str) -> None:
 
 
 @pytest.fixture
+def redis_client():
+    """A client of the real Redis (fails under CI=true when it does not answer)."""
+    import redis
+
+    client = redis.Redis.from_url(URL, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        require_service("redis", f"{URL}: {e}")
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def redis_prefix():
     """A fresh key prefix on the real Redis, its keys deleted afterwards."""
     name = fresh_redis_prefix()
@@ -53,19 +70,50 @@ def redis_prefix():
     drop_redis_prefix(name)
 
 
-@pytest.fixture(params=["memory", "redis"])
+class RedisAt:
+    """Makes RedisStates on one fresh prefix of the real Redis or of the session's Redis Cluster: `redis_at(**kw)`
+    (RedisState's keywords; the test closes them), `redis_at.unreachable(**kw)` one whose server nothing answers."""
+
+    def __init__(self, url: str, prefix: str, cluster: bool) -> None:
+        self.url, self.prefix, self.cluster = url, prefix, cluster
+
+    def __call__(self, **kw):
+        from tokenweir.gateway.state.redis import RedisState
+
+        return RedisState(self.url, **{"prefix": self.prefix, "cluster": self.cluster, **kw})
+
+    def unreachable(self, **kw):
+        from tokenweir.gateway.state.redis import RedisState
+
+        return RedisState("redis://127.0.0.1:1/0", cluster=self.cluster, **kw)  # nothing listens on port 1
+
+
+def redis_at_param(request, name: str) -> RedisAt:
+    """`name` "redis" (a fresh prefix of the real Redis, dropped afterwards) or "cluster" (of the session's cluster,
+    which goes with it)."""
+    if name == "cluster":
+        return RedisAt(request.getfixturevalue("redis_cluster").url, f"twtest-{uuid.uuid4().hex[:12]}", True)
+    return RedisAt(URL, request.getfixturevalue("redis_prefix"), False)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_at(request) -> RedisAt:
+    """Where this test's RedisStates live: the real Redis, then the session's Redis Cluster."""
+    return redis_at_param(request, request.param)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def state_replicas(request):
     """(a, b): two handles on one state backend, as two gateway replicas see it: the same InMemoryState twice, or two
-    RedisStates on one fresh prefix of the real Redis (closed afterwards)."""
+    RedisStates on one fresh prefix of the real Redis or of the session's Redis Cluster (closed afterwards)."""
     from tokenweir.gateway.state.memory import InMemoryState
-    from tokenweir.gateway.state.redis import RedisState
 
     if request.param == "memory":
         state = InMemoryState()
         yield state, state
         return
-    prefix = request.getfixturevalue("redis_prefix")
-    states = [RedisState(URL, prefix=prefix) for _ in range(2)]
+    at = redis_at_param(request, request.param)
+    states = [at() for _ in range(2)]
     yield states[0], states[1]
     for s in states:
         await s.close()

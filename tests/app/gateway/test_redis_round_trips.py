@@ -108,6 +108,7 @@ def gateway(tmp_path):
             events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
             usage_flush_interval_s=0.2,
             state=StateConfig(watch_s=3600.0),  # the epoch watch stays out of the count
+            prefix_index_sync_s=0,  # and the shared prefix index's background sync (one pipeline an interval)
         )
         with serve_app(config, store=store, state_backend=state) as gw:
             yield {"url": gw.url, "store": store, "counter": counter, "fake": fake, "state": state, "server": gw}

@@ -1,6 +1,6 @@
-"""The `StateBackend` contract, run against both backends: InMemoryState and RedisState on a real Redis (under
-CI=true a Redis that is down fails, never skips). With Redis, two replicas share one prefix and the steps of a test
-alternate between them; in memory both names are the one state.
+"""The `StateBackend` contract, run against both backends: InMemoryState, and RedisState on a real Redis and on a local
+Redis Cluster of 3 primaries (under CI=true a Redis that is down fails, never skips). With Redis, two replicas share one
+prefix and the steps of a test alternate between them; in memory both names are the one state.
 
 What only one backend has stays with it: lease expiry, renewal and parity in test_state_redis.py (the parity test
 runs the Lua scripts against policies.rate / policies.budget, the Python copy of the same arithmetic).
@@ -11,16 +11,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.support.state import NOW, URL, Clock
+from tests.support.state import NOW, Clock, redis_at_param
 from tokenweir.gateway.state.backend import Lease
 from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import Prices, femtos_to_usd
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def backend(request):
     """(a, b): two handles on one team state; calls without `now` read a clock fixed at NOW."""
     clock = Clock()
@@ -28,8 +27,8 @@ async def backend(request):
         state = InMemoryState(clock=clock)
         yield state, state
         return
-    prefix = request.getfixturevalue("redis_prefix")
-    states = [RedisState(URL, prefix=prefix, clock=clock) for _ in range(2)]
+    at = redis_at_param(request, request.param)
+    states = [at(clock=clock) for _ in range(2)]
     yield states[0], states[1]
     for s in states:
         await s.close()

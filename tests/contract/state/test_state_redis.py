@@ -1,7 +1,8 @@
 """What only RedisState has, against a real Redis: a settle on another replica is a no-op, dead replicas' holds and
 slots lapse, leases are renewed, seeding never overwrites live counters, and parity with InMemoryState (the Lua
-scripts' window and budget arithmetic against the Python copy in policies.rate / policies.budget). The contract both
-backends share is tested once, on both, in test_state_backends.py."""
+scripts' window and budget arithmetic against the Python copy in policies.rate / policies.budget), each on the real
+Redis and on a local Redis Cluster (`redis_at`). The contract both backends share is tested once, on both, in
+test_state_backends.py."""
 
 import asyncio
 import copy
@@ -9,18 +10,17 @@ import random
 
 import pytest
 
-from tests.support.state import NOW, URL, Clock
+from tests.support.state import NOW, Clock
 from tokenweir.gateway.state.backend import Lease, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.state.redis import RedisState
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
 
 @pytest.fixture
-async def replicas(redis_prefix):
+async def replicas(redis_at):
     clock = Clock()
-    states = [RedisState(URL, prefix=redis_prefix, clock=clock) for _ in range(2)]
+    states = [redis_at(clock=clock) for _ in range(2)]
     yield states, clock
     for s in states:
         await s.close()
@@ -40,9 +40,9 @@ async def test_a_settle_on_another_replica_is_a_no_op(replicas):
     assert (snap["reserved_tokens"], snap["open_reservations"], snap["remaining_month"]) == (0, 0, 4850)
 
 
-async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_prefix):
-    dead = RedisState(URL, prefix=redis_prefix, lease_s=30)
-    live = RedisState(URL, prefix=redis_prefix, lease_s=30)
+async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_at):
+    dead = redis_at(lease_s=30)
+    live = redis_at(lease_s=30)
     limits = TeamLimits(tokens_per_day=2000)
     slow = await dead.reserve("t", limits, 400, 1600, now=NOW)  # not settled within its lease
     with pytest.raises(Rejected):
@@ -59,10 +59,10 @@ async def test_a_dead_replicas_holds_are_reaped_after_the_lease(redis_prefix):
     await live.close()
 
 
-async def test_slots_are_shared_and_leases_lapse(redis_prefix):
+async def test_slots_are_shared_and_leases_lapse(redis_at):
     clock = Clock()
-    a = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
-    b = RedisState(URL, prefix=redis_prefix, lease_s=30, clock=clock)
+    a = redis_at(lease_s=30, clock=clock)
+    b = redis_at(lease_s=30, clock=clock)
     assert [await a.acquire_slot("t", 3), await b.acquire_slot("t", 3), await a.acquire_slot("t", 3)] == [True] * 3
     assert not await b.acquire_slot("t", 3)
     assert (await a.snapshot("t"))["in_flight"] == 3
@@ -99,7 +99,7 @@ async def test_seed_spend_never_overwrites_live_counters(replicas):
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["team", "team+key"])
 @pytest.mark.parametrize("seed", range(3))
-async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
+async def test_parity_with_in_memory_state(redis_at, seed, keyed):
     """The window and budget arithmetic exists twice: in Lua (gateway/state/redis_lua.py, it runs inside Redis) and
     once in Python (policies.rate: SlidingWindow, slot_index, oldest_counted_slot, slot_leaves_window_s;
     policies.budget: Budget, period_bounds; views from policies.snapshot). Random traffic must get the same
@@ -108,7 +108,7 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
     back by settle_and_release): the slot decisions must agree too."""
     rng = random.Random(seed)
     # holds and leases outlive the run: reaping a dead replica's is Redis's alone (tested above), not arithmetic
-    redis_state, memory = RedisState(URL, prefix=redis_prefix, hold_s=3600, lease_s=3600), InMemoryState()
+    redis_state, memory = redis_at(hold_s=3600, lease_s=3600), InMemoryState()
     limits = TeamLimits(rpm=40, tpm=3000, tokens_per_day=5000, tokens_per_month=8000, usd_per_month=0.6)
     # half the requests come with a key whose own limits are tighter in some dimensions: either may say no
     key_limits = KeyLimits(rpm=10, tpm=2500, tokens_per_day=2000, usd_per_day=0.15)
@@ -157,9 +157,9 @@ async def test_parity_with_in_memory_state(redis_prefix, seed, keyed):
     await redis_state.close()
 
 
-async def test_a_reserve_and_acquire_whose_answer_was_lost_is_undone_with_its_lease(replicas):
+async def test_a_reserve_and_acquire_whose_answer_was_lost_is_undone_with_its_lease(replicas, redis_at):
     (a, b), _ = replicas
-    gone = RedisState(f"{URL.rsplit(':', 1)[0]}:1/0", timeout_s=0.2, pool_timeout_s=0.2)  # nothing listens on :1
+    gone = redis_at.unreachable(timeout_s=0.2, pool_timeout_s=0.2)
     with pytest.raises(StateUnavailable) as lost:
         await gone.reserve_and_acquire("t", TeamLimits(), 5, 10, key_id="k", lease=Lease("L0", "k", 1, 1))
     release = {"op": "release_slot", "team_id": "t", "lease_id": "L0", "key_id": "k"}
@@ -175,9 +175,9 @@ async def test_a_reserve_and_acquire_whose_answer_was_lost_is_undone_with_its_le
     assert [(s["in_flight"], s["open_reservations"], s["reserved_tokens"]) for s in snaps] == [(0, 0, 0)] * 2
 
 
-async def test_a_lease_taken_with_its_reservation_is_renewed_until_settled(redis_prefix):
-    state = RedisState(URL, prefix=redis_prefix, lease_s=0.15)  # real clock; renewed every 50 ms
-    other = RedisState(URL, prefix=redis_prefix, lease_s=0.15)
+async def test_a_lease_taken_with_its_reservation_is_renewed_until_settled(redis_at):
+    state = redis_at(lease_s=0.15)  # real clock; renewed every 50 ms
+    other = redis_at(lease_s=0.15)
     limits = TeamLimits(max_concurrency=1)
     res, got = await state.reserve_and_acquire("t", limits, 1, 1, lease=Lease("L", None, 1))
     assert got
@@ -191,9 +191,9 @@ async def test_a_lease_taken_with_its_reservation_is_renewed_until_settled(redis
     await other.close()
 
 
-async def test_background_renewal_keeps_live_leases_past_their_first_expiry(redis_prefix):
-    state = RedisState(URL, prefix=redis_prefix, lease_s=0.15)  # real clock; renewed every 50 ms
-    other = RedisState(URL, prefix=redis_prefix, lease_s=0.15)
+async def test_background_renewal_keeps_live_leases_past_their_first_expiry(redis_at):
+    state = redis_at(lease_s=0.15)  # real clock; renewed every 50 ms
+    other = redis_at(lease_s=0.15)
     assert await state.acquire_slot("t", 1)
     await asyncio.sleep(0.35)  # over two leases later the slot is still held: no one else gets it
     assert not await other.acquire_slot("t", 1)

@@ -7,7 +7,9 @@ A result carries the numbers of the table (requests, billed per events / per sto
 `problems == []`; `loadtests/fault_table.py` prints the table.
 
 Every scenario takes `workdir` (a fresh directory) and `before` (write HEAD's config format) and is bounded in
-time (a gateway start is ~3-4 s on a slow 2-core machine; the whole set runs in ~2 minutes).
+time (a gateway start is ~3-4 s on a slow 2-core machine; the whole set runs in ~2 minutes). Those on Redis also take
+`cluster` (a proxied LocalCluster, tests/support/redis_cluster.py): the same fault with a Redis Cluster as the state;
+`cluster_failover` is the cluster's own (a primary killed mid-load).
 """
 
 from __future__ import annotations
@@ -255,6 +257,8 @@ def _scenario(fn):
             fn(Path(workdir), before, res, **kw)
         except GatewayExited as e:
             res.problem(f"gateway exited with status {e.rc}: {e.log.strip().splitlines()[-1:]}")
+        if kw.get("cluster") is not None:
+            res.fault += " [redis cluster]"
         res.wall_s = round(time.monotonic() - t0, 1)
         return res
 
@@ -273,11 +277,12 @@ def redis_cut(
     cut_at_s: float = 0.8,
     cut_s: float = 2.0,
     rst: bool = True,
+    cluster=None,
 ):
     """60 requests (half streams) spread over 2.4 s; Redis connections are reset at 0.8 s (closed with a FIN
     when rst=False) and new ones refused until 2.8 s."""
     res.fault = "redis cut 2s mid-load" + ("" if rst else " (FIN)")
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway("a").start()
         reqs = []
@@ -312,13 +317,19 @@ def redis_cut_fin(workdir: Path, before: bool = False, **kw) -> FaultResult:
 # --- (b) Redis pool exhaustion ---------------------------------------------------------------------------------
 @_scenario
 def redis_pool_exhaustion(
-    workdir: Path, before: bool, res: FaultResult, n: int = 400, max_connections: int = 20, finish_at_s: float = 2.5
+    workdir: Path,
+    before: bool,
+    res: FaultResult,
+    n: int = 400,
+    max_connections: int = 20,
+    finish_at_s: float = 2.5,
+    cluster=None,
 ):
     """`n` overlapping requests against a small Redis pool (HEAD: redis-py's default of 100, which raises
     MaxConnectionsError when full): 40% arrive at once, the rest over 1.5 s, and every one is timed (its ttft) to
     finish at `finish_at_s`, so admission and settlement both stampede the pool."""
     res.fault = f"redis pool exhaustion ({n} overlapping)"
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway(
             "a",
@@ -349,12 +360,12 @@ def redis_pool_exhaustion(
 
 # --- (c) Redis down at start, then restored; then down while serving --------------------------------------------
 @_scenario
-def redis_down(workdir: Path, before: bool, res: FaultResult):
+def redis_down(workdir: Path, before: bool, res: FaultResult, cluster=None):
     """Redis refuses connections before the gateway starts (the store already holds spend): start-up must wait
     and retry, not exit; once Redis is back it serves. Then Redis goes down while serving: 503
     state_unavailable + Retry-After, /health 503 naming the state backend, /livez 200; back to 200 after."""
     res.fault = "redis down (at start, then while serving)"
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big = st.team("big", _limits(tokens_per_day=10_000_000))
         small = st.team("small", _limits(max_concurrency=2))
         seeded = 100
@@ -441,14 +452,14 @@ def _check_down(res: FaultResult, outcomes: list[Outcome], when: str) -> None:
 
 # --- (c') fail_open -------------------------------------------------------------------------------------------
 @_scenario
-def redis_down_fail_open(workdir: Path, before: bool, res: FaultResult, n: int = 12):
+def redis_down_fail_open(workdir: Path, before: bool, res: FaultResult, n: int = 12, cluster=None):
     """`state: {on_unavailable: fail_open}`: with Redis down, requests are admitted under local limits (200),
     and billed once Redis is back."""
     res.fault = "redis down, fail_open"
     if before:
         res.skipped = "HEAD has no state.on_unavailable switch"
         return
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway("a", state_opts={"on_unavailable": "fail_open"}).start()
         st.redis_proxy.cut()
@@ -507,12 +518,12 @@ def sigkill_after_burst(workdir: Path, before: bool, res: FaultResult, n_fit: in
 
 # --- (e) SIGTERM past the grace period -------------------------------------------------------------------------
 @_scenario
-def sigterm_past_grace(workdir: Path, before: bool, res: FaultResult, grace_s: float = 1.0):
+def sigterm_past_grace(workdir: Path, before: bool, res: FaultResult, grace_s: float = 1.0, cluster=None):
     """Streams of ~4 s and non-streams waiting ~4 s for their first token; SIGTERM at 1 s with a 1 s grace.
     Clients must get an OpenAI error (503 shutting_down JSON, or an SSE error event), never a plain-text 500;
     every request has its one event; billed == served; no slot of the max_concurrency-2 team survives."""
     res.fault = f"SIGTERM past grace ({grace_s:g}s)"
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway("a", shutdown_grace_s=grace_s).start()
         reqs = [Req(big.secret, completion(stream=True, tokens=40, ttft_ms=100, itl_ms=100)) for _ in range(8)]
@@ -550,13 +561,13 @@ def sigterm_past_grace(workdir: Path, before: bool, res: FaultResult, grace_s: f
 
 # --- (f) upstream dies mid-stream ------------------------------------------------------------------------------
 @_scenario
-def upstream_dies(workdir: Path, before: bool, res: FaultResult):
+def upstream_dies(workdir: Path, before: bool, res: FaultResult, cluster=None):
     """(1) streams the upstream breaks after 4 chunks (`fail_after`); (2) the upstream killed mid-stream (the
     TCP link to it cut: connections reset, new ones refused; back 1 s later). Billed == served: in (1) the
     upstream's own counters; in (2) what reached the gateway (the upstream's counters there also count tokens
     it wrote into the dead connection). No leaks, no 500."""
     res.fault = "upstream dies mid-stream"
-    with Stack(workdir, before=before, upstream_proxy=True) as st:
+    with Stack(workdir, before=before, upstream_proxy=True, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway("a", breaker_failures=1000).start()  # keep routing to it: this is about billing
         # (1) fail_after
@@ -592,14 +603,14 @@ def upstream_dies(workdir: Path, before: bool, res: FaultResult):
 
 # --- (g) clients leaving at every point ------------------------------------------------------------------------
 @_scenario
-def clients_leave(workdir: Path, before: bool, res: FaultResult, sweep: int = 30):
+def clients_leave(workdir: Path, before: bool, res: FaultResult, sweep: int = 30, cluster=None):
     """Pool capacity 1. Clients leave halfway through the body, right after sending it, while queued, while a
     non-stream request is being generated, mid-stream, a sweep of instants a few ms after the body, and while
     admission waits for a slow Redis's answer to its reserve or its slot. Every request has one event (none an
     internal error), billed == served (aborts report what was made), nothing leaked (the max_concurrency-2 team
     leaves some too, so a leaked lease locks it out)."""
     res.fault = "clients leave (mid-body / after body / queued / mid-stream / slow Redis)"
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         big, small = st.team("big"), st.team("small", _limits(max_concurrency=2))
         gw = st.gateway("a", capacity=1).start()
         url, proxy = gw.url, st.redis_proxy
@@ -659,13 +670,13 @@ def clients_leave(workdir: Path, before: bool, res: FaultResult, sweep: int = 30
 
 # --- (h) two replicas on one Redis under (a) and (b) -----------------------------------------------------------
 @_scenario
-def two_replicas(workdir: Path, before: bool, res: FaultResult, n_fit: int = 30, storm_n: int = 300):
+def two_replicas(workdir: Path, before: bool, res: FaultResult, n_fit: int = 30, storm_n: int = 300, cluster=None):
     """Two gateway processes on one Redis (through the proxy), one store. (a) 80 requests alternating between
     them with a 2 s Redis cut; (b) `storm_n` at once. Each storm's team has a day budget that fits `n_fit`
     requests: the two together must not admit more (no 2x overspend), and bill exactly what was served."""
     res.fault = "two replicas: redis cut + pool exhaustion"
     budget = PER_REQUEST * n_fit + PER_REQUEST // 2
-    with Stack(workdir, before=before) as st:
+    with Stack(workdir, before=before, cluster=cluster) as st:
         team_a = st.team("cut", _limits(tokens_per_day=budget))
         team_b = st.team("storm", _limits(tokens_per_day=budget))
         small = st.team("small", _limits(max_concurrency=2))
@@ -703,6 +714,92 @@ def two_replicas(workdir: Path, before: bool, res: FaultResult, n_fit: int = 30,
             billed = sum(e["prompt_tokens"] + e["completion_tokens"] for e in st.events() if e.get("team") == team.id)
             if billed > budget:
                 res.problem(f"team {team.name} billed {billed} tokens, its day budget is {budget}")
+        res.served = st.served()
+        check_contract(res)
+
+
+# --- (i) Redis Cluster: a primary killed mid-load, its replica promoted --------------------------------------------
+@_scenario
+def cluster_failover(
+    workdir: Path,
+    before: bool,
+    res: FaultResult,
+    cluster=None,
+    n: int = 80,
+    span_s: float = 4.0,
+    kill_at_s: float = 1.0,
+    lease_s: float = 2.0,
+    hold_s: float = 4.0,
+):
+    """A Redis Cluster as the state (3 primaries, 3 replicas, cluster-node-timeout 1 s), one gateway with short
+    leases (`lease_s`, `hold_s`). `n` requests (half streams) over `span_s`; at `kill_at_s` the primary that serves
+    the busiest team is killed (SIGKILL) and its replica promoted ~2 s later. While the cluster is down requests get
+    503 state_unavailable with Retry-After (never a 500); once the replica serves, the gateway finds it (a call that
+    failed has the slot map read again: one request at a time until one is served) and every request is served again.
+    Billing exact, one event per request; whatever a lost answer may have left in Redis is gone once the leases and
+    holds have expired (the next request of each team reaps what expired)."""
+    res.fault = "redis cluster: a primary killed mid-load, failover"
+    if before or cluster is None:
+        res.skipped = "needs a Redis Cluster (and state.cluster)"
+        return
+    from tests.support.redis_cluster import slot_of
+
+    with Stack(workdir, before=before, cluster=cluster) as st:
+        big, small, other = st.team("big"), st.team("small", _limits(max_concurrency=2)), st.team("other")
+        gw = st.gateway("a", state_opts={"lease_s": lease_s, "hold_s": hold_s}).start()
+        slot = slot_of(big.id)  # the `{team}` hash tag: the slot of its id
+        victim = cluster.primary_of(slot)
+        reqs = []
+        for i, delay in enumerate(_spread(n, span_s)):
+            team = small if i % 5 == 4 else other if i % 5 == 3 else big
+            body = completion(stream=i % 2 == 1, tokens=8, ttft_ms=100, itl_ms=20)
+            reqs.append(Req(team.secret, body, delay_s=delay))
+        took_s: list[float] = []
+
+        async def during(t0: float) -> None:
+            await asyncio.sleep(max(0.0, kill_at_s - (time.monotonic() - t0)))
+            await asyncio.to_thread(cluster.kill, victim)
+            await asyncio.to_thread(cluster.wait_failover, slot, victim)
+            took_s.append(time.monotonic() - t0 - kill_at_s)
+
+        try:
+            outcomes = run(storm(gw.url, reqs, timeout_s=30, during=during))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the first requests after it may still find the old map
+                probe = run(storm(gw.url, [Req(big.secret, completion(tokens=4))], timeout_s=15))
+                outcomes += probe
+                if probe[0].status == 200:
+                    break
+                time.sleep(0.1)
+            after = run(storm(gw.url, [Req(big.secret, completion(tokens=4)) for _ in range(8)], timeout_s=15))
+        finally:
+            if not victim.alive():
+                cluster.restart(victim)  # back as a replica: the cluster whole for what comes next
+        res.notes.append(f"failover took {took_s[0]:.1f} s" if took_s else "no failover seen")
+        outcomes += after
+        res.add(outcomes)
+        check_outcomes(res, outcomes)
+        down = [o for o in outcomes if o.status == 503]
+        if not down or any(o.code != "state_unavailable" for o in down):
+            res.problem(f"while the cluster failed over: {Counter((o.status, o.code) for o in down)} (want some 503 "
+                        "state_unavailable, nothing else)")  # fmt: skip
+        if not all(o.status == 200 for o in after):
+            bad = next(o for o in after if o.status != 200)
+            res.problem(f"after the failover: {Counter(o.status for o in after)} (want all 200; {bad.body_head[:160]})")
+        st.wait_events(res.requests, timeout=5.0)
+        teams = [big, small, other]
+        left = leaks_redis(st, teams, wait_s=8.0)  # what failed to settle is replayed from the outbox (backoff <= 5 s)
+        if any(left.values()):
+            # an answer lost with the primary (a settle it took but never passed on) leaves a hold or a lease that
+            # only its expiry ends: past it, each team's next request reaps them
+            res.notes.append(f"left before their expiry: {left}")
+            time.sleep(max(lease_s, hold_s) + 1.0)
+            for team in teams:
+                follow_up(res, gw.url, team)
+            left = leaks_redis(st, teams, wait_s=2.0)
+        set_leaks(res, left)
+        follow_up(res, gw.url, small)
+        settle_and_stop(st, res, [gw])
         res.served = st.served()
         check_contract(res)
 

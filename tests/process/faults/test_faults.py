@@ -13,7 +13,12 @@ be cut, a SQLite store) and asserts the scenario found no breach of the contract
   - a day budget is not spent twice (SIGKILL + restart), nor by two replicas together;
   - no request served past its reservation unless its event says by how much, each team's store usage == its
     events' sum, no gateway still counting a request in flight afterwards (tests/support/fault_harness.py states all).
-The whole file runs in about two minutes on a slow 2-core machine. Redis is required (CI fails without it).
+Then on a local Redis Cluster (3 primaries, 3 replicas, each node behind a cuttable proxy:
+tests/support/redis_cluster.py): two replicas under a cut and a storm, a primary killed mid-load while its replica is
+promoted, and the cut, the Redis down at start and the clients leaving (`TW_FAULTS_CLUSTER_ALL=1`: every scenario on
+Redis, on the cluster too; about a minute more).
+The whole file runs in about two minutes and a half on a slow 2-core machine. Redis is required (CI fails without it),
+and so is the cluster (redis-server and redis-cli).
 `loadtests/fault_table.py` runs the same scenarios and prints them as a table. `TW_FAULTS_BEFORE=1` writes the
 old config format (no `state:` section), to run these tests against a tree from before the reliability fixes.
 """
@@ -29,6 +34,15 @@ from tests.support.fault_harness import redis_available
 from tests.support.services import require_service
 
 BEFORE = os.environ.get("TW_FAULTS_BEFORE") == "1"
+ON_CLUSTER = [scenarios.redis_cut, scenarios.redis_down, scenarios.clients_leave]
+if os.environ.get("TW_FAULTS_CLUSTER_ALL") == "1":
+    ON_CLUSTER += [
+        scenarios.redis_cut_fin,
+        scenarios.redis_pool_exhaustion,
+        scenarios.redis_down_fail_open,
+        scenarios.sigterm_past_grace,
+        scenarios.upstream_dies,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +96,25 @@ def test_clients_leaving_at_every_point_leave_nothing_behind(redis_up, tmp_path)
 
 def test_two_replicas_under_redis_faults_do_not_overspend(redis_up, tmp_path):
     check(scenarios.two_replicas(tmp_path, before=BEFORE))
+
+
+# --- on a Redis Cluster ------------------------------------------------------------------------------------------
+@pytest.fixture
+def cluster(request):
+    """The session's proxied Redis Cluster (tests/support/redis_cluster.py)."""
+    if BEFORE:
+        pytest.skip("HEAD's config has no state.cluster")
+    return request.getfixturevalue("redis_cluster_proxied")
+
+
+def test_two_replicas_on_a_redis_cluster_under_faults_do_not_overspend(cluster, tmp_path):
+    check(scenarios.two_replicas(tmp_path, cluster=cluster))
+
+
+def test_a_cluster_primary_killed_mid_load_fails_over_billing_everything_and_leaking_nothing(cluster, tmp_path):
+    check(scenarios.cluster_failover(tmp_path, cluster=cluster))
+
+
+@pytest.mark.parametrize("scenario", ON_CLUSTER, ids=lambda s: s.__name__)
+def test_the_redis_faults_keep_the_contract_on_a_redis_cluster_too(cluster, tmp_path, scenario):
+    check(scenario(tmp_path, cluster=cluster))

@@ -1,7 +1,8 @@
 """deploy/k8s: what deploy/render_k8s.py renders is committed, every object validates against the Kubernetes API's
 own schemas (kubernetes-validate, strict: an unknown field fails), and the pieces fit together: selectors select,
 probes ask paths the apps serve, every secret and config map named exists or is the documented operator's secret,
-the gateway config in the ConfigMap loads, the network policy admits the gateways to the engines."""
+the gateway config in the ConfigMap loads and finds the engines by their headless Service's name (discovery), the
+network policy admits the gateways to the engines."""
 
 from __future__ import annotations
 
@@ -90,10 +91,15 @@ def test_the_pieces_fit(variant, tmp_path):
     path = tmp_path / "gateway.yaml"
     path.write_text(config_maps["gateway-config"]["data"]["gateway.yaml"])
     cfg = load_config(path, env={"TOKENWEIR_ENGINE_API_KEY": "k"})
-    members = [u.base_url for p in cfg.pools for u in p.upstreams]
-    assert members == [f"http://{h}:{render_k8s.ENGINE_PORT}" for h in render_k8s.ENGINE_HOSTS]
     engines = next(s for s in by_kind["Service"] if s["metadata"]["name"] == "engine")
-    assert engines["spec"]["clusterIP"] == "None"  # headless: engine-0.engine..., the hosts above
+    assert engines["spec"]["clusterIP"] == "None" and not engines["spec"]["publishNotReadyAddresses"]  # ready pods
+    (port,) = engines["spec"]["ports"]
+    service_host = f"{engines['metadata']['name']}.{render_k8s.NAMESPACE}.svc.cluster.local"
+    members = [(u.base_url, u.discover) for p in cfg.pools for u in p.upstreams]
+    assert members == [(f"http://{service_host}:{port['port']}", True)]  # the headless Service's name, discovered
+    assert cfg.discovery.nameservers == []  # through the pod's resolver (cluster DNS)
+    engine_set = next(w for w in workloads if w["metadata"]["name"] == "engine")
+    assert engine_set["spec"]["serviceName"] == engines["metadata"]["name"]
     # only the gateways (and Prometheus) reach the engines
     (policy,) = by_kind["NetworkPolicy"]
     engine_labels = next(w for w in workloads if w["metadata"]["name"] == "engine")["spec"]["template"]["metadata"]

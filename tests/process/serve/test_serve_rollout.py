@@ -12,11 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from loadtests.fake_upstream import FakeUpstream, free_port
-from tests.process.serve.test_serve_workers import REDIS_URL, Output, forget_state, lines_of, redis_client, wait_for
+from tests.process.serve.test_serve_workers import REDIS_URL, Output, forget_state, lines_of, wait_for
 from tests.support.serve_process import serve_process
 from tests.support.serve_thread import ServerThread
-
-__all__ = ["redis_client"]  # the fixture, shared
 
 
 def ask(url: str, key: str, model: str, n: int) -> list[int]:

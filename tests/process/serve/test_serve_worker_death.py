@@ -26,14 +26,11 @@ from tests.process.serve.test_serve_workers import (
     alive,
     forget_state,
     lines_of,
-    redis_client,
     wait_for,
 )
 from tests.support.serve_process import serve_process
 from tests.support.serve_thread import ServerThread
 from tokenweir.gateway.store.store import Store
-
-__all__ = ["redis_client"]  # the fixture, used by name
 
 STREAMS = 8  # the team's max_concurrency too: every slot is taken by the burst of slow streams
 

@@ -26,24 +26,10 @@ import pytest
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.support.serve_process import ROOT, serve_process
 from tests.support.serve_thread import ServerThread
-from tests.support.services import require_service
 from tokenweir.gateway.store.store import Store
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 READY = re.compile(r"gateway worker (\d+) \(pid (\d+)\) ready")
-
-
-@pytest.fixture
-def redis_client():
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        require_service("redis", f"{REDIS_URL}: {e}")
-    yield client
-    client.close()
 
 
 class Output:
