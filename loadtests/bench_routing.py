@@ -4,6 +4,7 @@ one torch thread per engine) under a seeded multi-tenant chat workload, once per
 
     .venv/bin/python loadtests/bench_routing.py            # 4-7 min on 2 cores
     .venv/bin/python loadtests/bench_routing.py --quick    # 2-4 min
+    .venv/bin/python loadtests/bench_routing.py --gateways 2   # through `serve --workers 2` on Redis
 
 Workload: 8 teams, each with a distinct ~512-token system prompt; conversations of 1-3 turns (a later turn resends
 the history, the model's earlier answers included) with short user turns and 8-24 output tokens, greedy, streamed
@@ -40,6 +41,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
+REDIS_URL = "redis://127.0.0.1:6379/0"
 TEAMS = ("Aurora", "Basalt", "Cobalt", "Dune", "Ember", "Fjord", "Garnet", "Helix")
 TOPICS = ("billing", "deployments", "on-call", "security", "hiring", "travel", "metrics", "backups", "onboarding")
 QUESTIONS = ("What should I check first?", "Summarise that in one line.", "Any risks?", "Who owns this?")
@@ -103,6 +105,7 @@ class Phase:
     results: list[Result] = field(default_factory=list)
     per_instance: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
+    per_team: dict = field(default_factory=dict)  # team -> Counter of the engines that served it
     loadavg: float = 0.0  # the machine's 1-min load average as the phase ended (ours: ~2; more: other work)
     warm: int = 0  # requests whose system prompt came from the cache (>= 256 cached tokens, from the events)
     errors: int = 0
@@ -118,6 +121,12 @@ class Phase:
     @property
     def tok_s(self) -> float:
         return sum(r.output_tokens for r in self.results) / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def team_home(self) -> float:
+        """The share of requests served by their team's most used engine."""
+        total = sum(sum(c.values()) for c in self.per_team.values())
+        return sum(c.most_common(1)[0][1] for c in self.per_team.values()) / total if total else 0.0
 
     @property
     def imbalance(self) -> float | None:
@@ -136,10 +145,10 @@ def free_port() -> int:
 class Serve:
     """`tokenweir serve` as a child: its output drained by a thread, its engines' URLs and the demo key read off it."""
 
-    def __init__(self, config_path: Path, engines: int, store: Path) -> None:
+    def __init__(self, config_path: Path, engines: int, store: Path, gateways: int = 1) -> None:
         self.port = free_port()
         args = ["serve", "--config", str(config_path), "--port", str(self.port), "--engine-port", str(free_port())]
-        args += ["--engines", str(engines), "--store", f"sqlite:///{store}"]
+        args += ["--engines", str(engines), "--store", f"sqlite:///{store}", "--workers", str(gateways)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenweir.gateway.process.cli", *args],
             cwd=ROOT,
@@ -236,11 +245,11 @@ def converse(client: openai.OpenAI, phase: str, n: int, conv: Conversation) -> t
     return results, errors
 
 
-def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Path) -> Phase:
+def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Path, gateways: int = 1) -> Phase:
     strategy = "prefix" if phase.engines == 1 else phase.name
     tag = phase.name.replace(" ", "_")
     events_path = tmp / f"{tag}.events.jsonl"
-    config = {
+    config: dict = {
         "events": {"path": str(events_path)},
         "load_poll_interval_s": 0.25,
         "engine": {
@@ -249,16 +258,22 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
             "extra_args": ["--quantization", "none", "--num-kv-blocks", str(phase.kv_blocks)],
         },
     }
+    if gateways > 1:  # gateway processes sharing limits, member leases and the prefix index through Redis
+        config["state_url"] = REDIS_URL
     config_path = tmp / f"{tag}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     t_start = time.monotonic()
-    serve = Serve(config_path, phase.engines, tmp / f"{tag}.db")
+    serve = Serve(config_path, phase.engines, tmp / f"{tag}.db", gateways)
     try:
         serve.wait_ready()
         start_s = time.monotonic() - t_start
         urls = serve.engine_urls()
         assert len(urls) == phase.engines, serve.text
-        client = openai.OpenAI(base_url=serve.url + "/v1", api_key=serve.demo_key(), max_retries=0, timeout=300)
+        # with several gateway processes, a connection per request: each lands on whichever process accepts it
+        http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) if gateways > 1 else None
+        client = openai.OpenAI(
+            base_url=serve.url + "/v1", api_key=serve.demo_key(), max_retries=0, timeout=300, http_client=http
+        )
         hits0, queries0 = prefix_counters(urls)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
@@ -272,11 +287,14 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
         phase.errors = sum(e for _, e in done)
         time.sleep(1.0)  # the last events' lines
         wanted = {r.request_id for r in phase.results}
-        for line in events_path.read_bytes().splitlines():
+        paths = [events_path] if gateways == 1 else [tmp / f"{tag}.events.w{w}.jsonl" for w in range(gateways)]
+        teams = {r.request_id: r.team for r in phase.results}
+        for line in (line for path in paths for line in path.read_bytes().splitlines()):
             e = orjson.loads(line)
             if e.get("request_id") in wanted:
                 instance = (e.get("instance") or "?").split("@", 1)[-1]
                 phase.per_instance[instance if instance.startswith("engine-") else "engine"] += 1
+                phase.per_team.setdefault(teams[e["request_id"]], Counter())[instance] += 1
                 phase.reasons[(e.get("route_reason") or {}).get("reason")] += 1
                 phase.warm += (e.get("cached_tokens") or 0) >= 256
     finally:
@@ -286,7 +304,8 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
     print(
         f"[{phase.name:>13}] {len(phase.results)} requests in {phase.wall_s:5.1f}s (start {start_s:.0f}s, stop "
         f"{stop_s:.0f}s): hit rate {phase.hit_rate:5.1%} ({phase.warm} warm), "
-        f"TTFT p50 {phase.ttft(0.5) * 1000:6.0f} ms, load avg {phase.loadavg:.1f}, "
+        f"TTFT p50 {phase.ttft(0.5) * 1000:6.0f} ms, load avg {phase.loadavg:.1f}, team on its engine "
+        f"{phase.team_home:.0%}, "
         f"{phase.tok_s:5.1f} tok/s, per instance {dict(sorted(phase.per_instance.items()))}, "
         f"reasons {dict(phase.reasons)}" + (f", {phase.errors} errors" if phase.errors else ""),
         flush=True,
@@ -297,8 +316,8 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
 def table(phases: list[Phase]) -> str:
     rows = [
         "| route | hit rate | warm requests | TTFT p50 ms | TTFT p99 ms | output tok/s | per instance | max/min "
-        "| route reasons | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| team on its engine | route reasons | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in phases:
         per = ", ".join(f"{k}: {v}" for k, v in sorted(p.per_instance.items()))
@@ -307,7 +326,7 @@ def table(phases: list[Phase]) -> str:
         rows.append(
             f"| {p.name} | {p.hit_rate:.1%} | {p.warm}/{len(p.results)} | {p.ttft(0.5) * 1000:.0f} "
             f"| {p.ttft(0.99) * 1000:.0f} | {p.tok_s:.1f} "
-            f"| {per} | {imb} | {reasons} | {p.loadavg:.1f} |"
+            f"| {per} | {imb} | {p.team_home:.0%} | {reasons} | {p.loadavg:.1f} |"
         )
     return "\n".join(rows)
 
@@ -321,6 +340,7 @@ def targets(phases: dict[str, Phase]) -> list[tuple[str, bool, str]]:
         ("prefix TTFT p50 >= 2x better than least_loaded", ratio_ttft >= 2, f"{ratio_ttft:.2f}x"),
         ("prefix output tok/s >= least_loaded's", pre.tok_s >= ll.tok_s, f"{pre.tok_s:.1f} vs {ll.tok_s:.1f}"),
         ("prefix max/min instance load <= 1.5", (pre.imbalance or 0) <= 1.5, f"{pre.imbalance:.2f}"),
+        ("prefix: a team on one engine >= 90% of its requests", pre.team_home >= 0.9, f"{pre.team_home:.0%}"),
     ]
 
 
@@ -370,10 +390,20 @@ def main() -> None:
         default="distinct",
         help="preamble: every team's system prompt opens with the same words (written to bench_routing_preamble.*)",
     )
-    ap.add_argument("--out", type=Path, default=None, help="default loadtests/results/bench_routing[_preamble]")
+    ap.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes (`serve --workers N`, sharing state, member leases and the prefix index through the "
+        f"Redis at {REDIS_URL}); each request on a new connection, so either process may take it",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="default loadtests/results/bench_routing[_preamble][_gwN]")
     args = ap.parse_args()
     preamble = args.workload == "preamble"
-    args.out = args.out or ROOT / "loadtests" / "results" / ("bench_routing_preamble" if preamble else "bench_routing")
+    stem = ("bench_routing_preamble" if preamble else "bench_routing") + (
+        f"_gw{args.gateways}" if args.gateways > 1 else ""
+    )
+    args.out = args.out or ROOT / "loadtests" / "results" / stem
     n = args.conversations or (16 if args.quick else 40)
     work = make_workload(args.seed, n, preamble)
     turns = sum(len(c.questions) for c in work)
@@ -386,7 +416,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_routing_") as tmp:
         for name, engines in PHASES:
             kv = args.kv_blocks * (2 if engines == 1 else 1)
-            phases.append(run_phase(Phase(name, engines, kv), work, args.concurrency, Path(tmp)))
+            phases.append(run_phase(Phase(name, engines, kv), work, args.concurrency, Path(tmp), args.gateways))
     by_name = {p.name: p for p in phases}
     checks = targets(by_name)
     md = [
@@ -395,7 +425,9 @@ def main() -> None:
         f"`{' '.join(['loadtests/bench_routing.py', *sys.argv[1:]])}`: 2 engines x 1 torch thread (SmolLM2-135M, "
         f"dense), {n} seeded conversations ({turns} requests) of {len(TEAMS)} teams with ~512-token system prompts"
         f"{' opening with one shared preamble' if preamble else ''}, "
-        f"{args.concurrency} at a time, streamed; KV {args.kv_blocks} blocks x 16 tokens per engine, the single "
+        f"{args.concurrency} at a time, streamed"
+        f"{f', through {args.gateways} gateway processes on one Redis' if args.gateways > 1 else ''}; "
+        f"KV {args.kv_blocks} blocks x 16 tokens per engine, the single "
         f"engine {2 * args.kv_blocks} (and 2 threads). Fresh `serve` per row. Warm requests: >= 256 prompt tokens "
         "from the cache. Load avg: the machine's 1-min load as the row ended (this run's own share is ~2; the cores "
         "are shared, so timings of rows with more are noisy).",
