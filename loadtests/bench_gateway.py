@@ -12,6 +12,10 @@ rpm, tpm, daily and monthly token budgets, max_concurrency and prompt/output cap
 admission step runs; JSONL events and metrics on), and this client (httpx). State in memory, or for the redis-*
 cells in Redis (state_url, a fresh key prefix per gateway whose keys are deleted afterwards).
 
+The redis-capped-* cells are redis-non-stream-1/-32 through a gateway whose upstream has max_parallel_requests (never
+reached): what the member's concurrency lease in Redis adds. The redis cells also print Redis's commands and CPU per
+request (INFO commandstats and cpu, before and after the run).
+
 The shadow-* cells are non-stream-1/-32 through a gateway whose pool mirrors 5% of its requests to a shadow pool
 (a second fake upstream): "shadow vs none" prints what mirroring adds to the client's p50 and to the gateway's CPU.
 
@@ -68,11 +72,12 @@ class Cell:
     concurrency: int
     state: str  # the gateway's limits state: "memory" (in-process) or "redis" (state_url)
     shadow: bool = False  # SHADOW_FRACTION of the requests mirrored to a second fake upstream (a shadow pool)
+    capped: bool = False  # the upstream a pool member with max_parallel_requests (a lease per request, in Redis)
 
     @property
     def group(self) -> str:
-        """The gateway that serves the cell: one per state, and one more with shadow traffic on."""
-        return self.state + ("-shadow" if self.shadow else "")
+        """The gateway that serves the cell: one per state, one with shadow traffic on, one with a capped member."""
+        return self.state + ("-shadow" if self.shadow else "") + ("-capped" if self.capped else "")
 
 
 SHADOW_FRACTION = 0.05
@@ -86,7 +91,11 @@ CELLS = {
     # the same as non-stream-1/-32 with 5% mirrored: "shadow vs none" compares their added p50
     "shadow-non-stream-1": Cell(False, 1, "memory", shadow=True),
     "shadow-non-stream-32": Cell(False, 32, "memory", shadow=True),
+    # the same as redis-non-stream-1/-32 with the member's concurrency leased in Redis (MEMBER_CAP: never full here)
+    "redis-capped-non-stream-1": Cell(False, 1, "redis", capped=True),
+    "redis-capped-non-stream-32": Cell(False, 32, "redis", capped=True),
 }
+MEMBER_CAP = 64
 
 
 @dataclass
@@ -152,7 +161,7 @@ def start_gateway(
 ) -> Gateway:
     """The side's gateway for a cell group, verified: its runner checked where the code came from; one request is
     served."""
-    state = group.removesuffix("-shadow")
+    state = group.split("-")[0]
     gwdir = work / f"{side.tag}-{group}"
     gwdir.mkdir()
     port = free_port()
@@ -163,6 +172,8 @@ def start_gateway(
         if redis_keys(prefix):
             raise RuntimeError(f"Redis already holds keys under {prefix}: not fresh")
         cmd += ["--state-url", REDIS_URL, "--redis-prefix", prefix]
+    if group.endswith("-capped"):
+        cmd += ["--member-cap", str(MEMBER_CAP)]
     if group.endswith("-shadow"):
         assert shadow_upstream is not None
         cmd += ["--shadow-upstream", shadow_upstream, "--shadow-fraction", str(SHADOW_FRACTION)]
@@ -228,15 +239,34 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else xs[0] * 1000
 
 
+def redis_counters() -> tuple[int, int, float]:
+    """The Redis server's scripts run so far (EVALSHA, EVAL), its commands (every kind, those scripts call included)
+    and its CPU seconds (user + sys)."""
+    import redis
+
+    with redis.Redis.from_url(REDIS_URL) as r:
+        stats = r.info("commandstats")
+        cpu = r.info("cpu")
+    scripts = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+    calls = sum(int(v["calls"]) for v in stats.values())
+    return scripts, calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
 def measure(url: str, headers: dict[str, str], cell: Cell, n: int, pid: int | None = None) -> dict[str, float]:
-    """One run after a warm-up; with `pid`, that process's CPU over the run."""
+    """One run after a warm-up; with `pid`, that process's CPU over the run; in a redis cell, Redis's commands and CPU
+    per request over the run (the gateway's background calls included: lease renewals, the epoch watch, the prefix
+    index's sync; and this bench's own handful of INFO and CLIENT calls, ~0.01 a request at 600 requests)."""
     asyncio.run(load(url, headers, cell, max(20, 2 * cell.concurrency)))  # connections, the gateway's caches
     cpu0 = cpu_seconds(pid) if pid else (0.0, 0.0)
+    redis0 = redis_counters() if pid and cell.state == "redis" else None
     latencies, wall = asyncio.run(load(url, headers, cell, n))
     result = {"rps": n / wall, "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99)}
     if pid:
         user, system = ((b - a) * 1000 / n for a, b in zip(cpu0, cpu_seconds(pid), strict=True))
         result |= {"cpu_ms": user + system, "user_ms": user, "sys_ms": system}
+    if redis0 is not None:
+        scripts, calls, cpu = (b - a for a, b in zip(redis0, redis_counters(), strict=True))
+        result |= {"redis_scripts": scripts / n, "redis_ops": calls / n, "redis_cpu_ms": cpu * 1000 / n}
     return result
 
 
@@ -261,6 +291,9 @@ def progress(cell: str, rnd: int, side: str, m: dict[str, float]) -> None:
     if "cpu_ms" in m:
         line += f"  added p50 {m['added_p50_ms']:>6.2f}  CPU-ms/req {m['cpu_ms']:>6.3f}"
         line += f" ({m['user_ms']:.3f}+{m['sys_ms']:.3f})"
+    if "redis_ops" in m:
+        line += f"  Redis/req: {m['redis_scripts']:.2f} scripts, {m['redis_ops']:.1f} commands, "
+        line += f"{m['redis_cpu_ms']:.3f} CPU-ms"
     print(line, flush=True)
 
 
@@ -306,6 +339,18 @@ def print_summary(summary: dict[str, dict[str, dict[str, float]]], sides: list[S
             f"{cell:<20} | {'':10} {c['cpu_ms']:>8.3f} {r['cpu_ms']:>10.3f} {ratio:>7.2f} | {'':9} "
             f"{c['added_p50_ms']:>8.2f} {r['added_p50_ms']:>10.2f} | {'':6} {c['rps']:>8.0f} {r['rps']:>10.0f} | "
             f"{d['p50_ms']:>10.2f}"
+        )
+
+
+def print_redis(summary: dict[str, dict[str, dict[str, float]]], sides: list[Side]) -> None:
+    """What each request cost the Redis server, per redis cell and side (medians over the rounds)."""
+    rows = [(cell, side, by[side.tag]) for cell, by in summary.items() for side in sides if "redis_ops" in by[side.tag]]
+    if rows:
+        print("\nRedis per request (scripts run; commands of every kind, the scripts' own included; CPU): medians")
+    for cell, side, m in rows:
+        print(
+            f"  {cell:<27} {side.name:<10} {m['redis_scripts']:>5.2f} scripts  {m['redis_ops']:>6.1f} commands  "
+            f"{m['redis_cpu_ms']:.3f} CPU-ms"
         )
 
 
@@ -407,7 +452,7 @@ def main() -> None:
         print(f"{args.requests} requests per cell, side and round; {args.rounds} round(s); cells: {args.cells}")
         records: list[dict[str, Any]] = []
         mirrored: dict[str, float] = {}
-        for group in ("memory", "redis", "memory-shadow"):
+        for group in ("memory", "redis", "memory-shadow", "redis-capped"):
             names = [n for n in args.cells if CELLS[n].group == group]
             gateways: dict[str, Gateway] = {}
             try:
@@ -422,6 +467,7 @@ def main() -> None:
                     stop_gateway(gw)
         summary = summarize(records)
         print_summary(summary, sides, args.rounds)
+        print_redis(summary, sides)
         print_shadow(summary, sides, mirrored)
         tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
         print(

@@ -144,8 +144,11 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     )
     team = store.create_team("bench", team_limits)
     secret, _ = store.create_key(team.id, "bench")
+    member = config.UpstreamConfig(args.upstream)
+    if args.member_cap:  # a commit without member caps fails here: the redis-capped cells need one that has them
+        member.max_parallel_requests = args.member_cap
     pool = config.PoolConfig(
-        model=MODEL, upstreams=[config.UpstreamConfig(args.upstream)], capacity=256, max_queued=10_000
+        model=MODEL, upstreams=[member], capacity=256, max_queued=10_000
     )
     pools = [pool]
     if args.shadow_upstream:  # a commit without shadow traffic fails here: the shadow cells need one that has it
@@ -187,6 +190,7 @@ def main() -> None:
     p.add_argument("--redis-prefix", default=None)
     p.add_argument("--shadow-upstream", default=None, help="mirror --shadow-fraction of the requests to this one")
     p.add_argument("--shadow-fraction", type=float, default=0.05)
+    p.add_argument("--member-cap", type=int, default=None, help="the upstream's max_parallel_requests")
     args = p.parse_args()
     served, info = build(args)
     where = "inside" if inside(info["gateway_file"], args.code_root) else "OUTSIDE"
