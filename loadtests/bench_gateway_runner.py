@@ -147,9 +147,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     member = config.UpstreamConfig(args.upstream)
     if args.member_cap:  # a commit without member caps fails here: the redis-capped cells need one that has them
         member.max_parallel_requests = args.member_cap
-    pool = config.PoolConfig(
-        model=MODEL, upstreams=[member], capacity=256, max_queued=10_000
-    )
+    pool = config.PoolConfig(model=MODEL, upstreams=[member], capacity=256, max_queued=10_000)
     pools = [pool]
     if args.shadow_upstream:  # a commit without shadow traffic fails here: the shadow cells need one that has it
         pool.shadow_pool, pool.shadow_fraction = "shadow", args.shadow_fraction
