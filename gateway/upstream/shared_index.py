@@ -4,8 +4,10 @@ two engines).
 
 Through one Redis stream (`<prefix>:prefix-log`): each replica appends what its dispatches recorded since its last
 turn as one entry (pool, instance, block hashes; batched, off the request path), reads the entries appended since its
-last read, and records the other replicas' into its own pools' indexes. Bounded: the stream keeps about `max_entries`
-entries (Redis trims it; a replica that starts reads what is there and so begins warm). Evictions need no sharing:
+last read, and records the other replicas' into its own pools' indexes. Bounded by age: each append trims the entries
+older than `keep_s` before the newest one read (the stream's ids: the Redis server's clock), so its memory follows the
+request rate (~30 s of records: ~25 MB at 1,000 requests/s of 600-token prompts), and a replica that starts reads
+what is there and so begins warm. Evictions need no sharing:
 every replica polls every engine's /load, whose eviction log each applies itself. Best effort: while Redis does not
 answer, a replica routes by what it learned alone, and its unsent records wait (at most `max_pending`).
 """
@@ -38,14 +40,14 @@ class SharedPrefixIndex:
         key_prefix: str,
         pools: Callable[[], dict[str, Pool]],
         *,
-        max_entries: int = 10_000,
+        keep_s: float = 30.0,
         max_pending: int = 10_000,
         read_count: int = 1_000,
     ) -> None:
         self.client, self.pools = client, pools
         self.stream = f"{key_prefix}:prefix-log"
         self.origin = random_hex()  # this replica, so that it skips its own entries
-        self.max_entries, self.max_pending, self.read_count = max_entries, max_pending, read_count
+        self.keep_ms, self.max_pending, self.read_count = int(keep_s * 1000), max_pending, read_count
         self.pending: list[tuple[str, str, list[int]]] = []  # (pool, instance, block hashes) not sent yet
         self.last_id = "0-0"  # the newest entry read
         self.learned = 0  # records of other replicas applied here
@@ -64,7 +66,9 @@ class SharedPrefixIndex:
             async with self.client.pipeline(transaction=False) as pipe:
                 if pending:
                     fields = {"o": self.origin, "r": orjson.dumps(pending)}
-                    pipe.xadd(self.stream, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]
+                    newest_ms = int(self.last_id.split("-")[0])  # none trimmed before the first read
+                    minid = str(newest_ms - self.keep_ms) if newest_ms > self.keep_ms else None
+                    pipe.xadd(self.stream, fields, minid=minid, approximate=False)  # type: ignore[arg-type]
                 pipe.xread({self.stream: self.last_id}, count=self.read_count)
                 replies = await pipe.execute()
         except RedisFailure as exc:

@@ -5,6 +5,9 @@ what it has."""
 
 from __future__ import annotations
 
+import asyncio
+
+import orjson
 import redis.asyncio as aioredis
 
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
@@ -50,6 +53,25 @@ async def test_what_one_replica_sent_routes_the_other(redis_at):
         assert b.pools["m"].index.match([6]) == {} and shared_b.learned == 1
     finally:
         await client.delete(shared_a.stream)
+        await state.close()
+
+
+async def test_records_older_than_keep_s_are_trimmed(redis_at):
+    state = redis_at()
+    a = replica()
+    shared = SharedPrefixIndex(state.client, redis_at.prefix, lambda: a.pools, keep_s=0.3)
+    try:
+        shared.publish("m", "engine-0", [1])
+        await shared.sync()  # no trim before the first read
+        await asyncio.sleep(0.5)
+        shared.publish("m", "engine-0", [2])
+        await shared.sync()
+        shared.publish("m", "engine-0", [3])
+        await shared.sync()  # trims what is older than 0.3 s before the newest read: the first entry
+        entries = await state.client.xrange(shared.stream)
+        assert [orjson.loads(fields["r"])[0][2] for _, fields in entries] == [[2], [3]]
+    finally:
+        await state.client.delete(shared.stream)
         await state.close()
 
 
