@@ -77,7 +77,7 @@ class MemberSlots:
         return lease_id
 
     async def give_back(self, member: str, lease_id: str) -> None:
-        """The request on `member` ended (idempotent per lease: call it once). Redis away: the lease lapses."""
+        """The request on `member` ended: once per lease. Redis away: the lease lapses."""
         self._uncount(member)
         if self._redis is None or lease_id.startswith(LOCAL):
             return
