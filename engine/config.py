@@ -153,6 +153,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
+    # CUDA: kernels whose output for a row does not depend on the batch (speculation then gives plain decoding's
+    # tokens exactly); the CPU kernels are so already
+    batch_invariant: bool = False
     num_threads: int | None = None
     seed: int = 0
 

@@ -18,6 +18,7 @@ KEEP_ALIVE_S = 75
 # gateway's own default bound (4 MiB): only a runaway or hostile body is refused.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BATCH_INVARIANT_ENV = "TOKENWEIR_BATCH_INVARIANT"
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 
 
@@ -199,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
     )
     p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "yes"),
+        help="on CUDA, kernels whose output for a request does not depend on what shares its batch (fixed-tile "
+        "Triton GEMMs, row-wise norms, decode attention without split-K): greedy output with speculative decoding "
+        f"then equals plain decoding's bit for bit, at some speed (also ${BATCH_INVARIANT_ENV}=1; as vLLM's "
+        "VLLM_BATCH_INVARIANT). The CPU kernels are batch invariant as they are",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -263,6 +273,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
         kv_transfer=args.kv_transfer_config,
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
+        batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
         seed=args.seed,
     )

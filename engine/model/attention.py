@@ -49,9 +49,14 @@ class PagedAttention:
         head_dim: int,
         backend: str | None = None,
         prefill_dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
     ) -> None:
         """prefill_dtype: bfloat16 lets the "cpu" backend's prefill kernel take bfloat16 dot products (the GEMMs of
-        such a chunk round to bfloat16 already)."""
+        such a chunk round to bfloat16 already). batch_invariant (Triton): decode rows run through the prefill kernel
+        as chunks of one token, so a position's attention is computed the same way whether it was a prompt token, a
+        decode step, a draft under verification or a token recomputed after preemption, in a batch of any size (the
+        decode kernel's split-K depends on the batch and its tiles differ from the prefill kernel's; the CPU
+        backend's rows never depend on the batch)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -61,6 +66,7 @@ class PagedAttention:
         # Backend-only arguments (the torch reference takes neither).
         self.pass_max_seqlen_q = self.backend == "triton"
         self.prefill_bf16 = self.backend == "cpu" and prefill_dtype == torch.bfloat16
+        self.decode_as_prefill = batch_invariant and self.backend == "triton"
 
     def __call__(
         self,
@@ -75,9 +81,7 @@ class PagedAttention:
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
-            return self.ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-            )
+            return self._decode(q, k_cache, v_cache, meta)
         extra = {"max_seqlen_q": meta.prefill_max_q} if self.pass_max_seqlen_q else {}
         if self.prefill_bf16:
             extra["bf16"] = True
@@ -93,7 +97,13 @@ class PagedAttention:
         )
         if num_decode == 0:
             return prefill_out
-        decode_out = self.ops.paged_decode_attention(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        return torch.cat([self._decode(q[:num_decode], k_cache, v_cache, meta), prefill_out])
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+        tables, context = meta.decode_block_tables, meta.decode_context_lens
+        if not self.decode_as_prefill:
+            return self.ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale)
+        one_each = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return self.ops.paged_prefill_attention(
+            q, k_cache, v_cache, tables, one_each, context, self.scale, max_seqlen_q=1
         )
-        return torch.cat([decode_out, prefill_out])

@@ -38,12 +38,19 @@ GGUF_MODES = ("gguf", "gguf-a16")  # the modes that take a .gguf file's own bloc
 
 
 class DenseLinear:
-    __slots__ = ("weight",)
+    __slots__ = ("weight", "batch_invariant")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
+        """batch_invariant: the fixed-tile Triton matmul (CUDA, or Triton's interpreter in tests), so a row's output
+        does not move with the batch."""
         self.weight = weight.t().contiguous()  # [in, out]
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            from tokenweir.kernels import batch_invariant  # triton: imported only where it runs
+
+            return batch_invariant.matmul(x, self.weight)
         return x @ self.weight
 
     @property
@@ -153,13 +160,15 @@ def make_linear(
     quantization: str,
     blocks: list[GGUFBlocks | None] | None = None,
     prefill_dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = False,
 ) -> Linear:
     """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (GGUF_MODES only): the GGUF
     blocks of the tensors `weight` was concatenated from, in order; prefill_dtype: the dense GEMM's dtype for their
-    prefill chunks."""
+    prefill chunks; batch_invariant: dense CUDA weights multiply in the batch-invariant kernel (the CPU kernels are
+    batch invariant as they are)."""
     assert quantization in QUANTIZATIONS[:-1], f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
-        return DenseLinear(weight)
+        return DenseLinear(weight, batch_invariant)
     assert weight.device.type == "cpu", "int8 and gguf projections are CPU kernels"
     assert dtype in (torch.float32, torch.bfloat16), f"{quantization} with {dtype} activations has no CPU kernel"
     if quantization in GGUF_MODES:

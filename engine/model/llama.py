@@ -23,6 +23,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def norm_for(batch_invariant: bool):
+    """rms_norm, or with batch_invariant the Triton kernel that normalises each row in one program (on CUDA, torch's
+    reduction shares a row among threads by the number of rows, so a row's scale moves in the last bit with it)."""
+    if not batch_invariant:
+        return rms_norm
+    from tokenweir.kernels import batch_invariant as kernels  # triton: imported only where it runs
+
+    return kernels.rms_norm
+
+
 def rope_cos_sin(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Same arithmetic as HF's LlamaRotaryEmbedding (float32, rotate-half layout), so greedy tokens match.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -47,6 +57,7 @@ class DecoderLayer:
         quantization: str = "none",
         blocks: dict[str, GGUFBlocks] | None = None,
         prefill_dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
     ) -> None:
         self.config = config
         dtype = weights["o_proj"].dtype
@@ -56,7 +67,8 @@ class DecoderLayer:
 
         def linear(*names: str):
             parts = [(blocks or {}).get(n) for n in names]
-            return make_linear(torch.cat([weights[n] for n in names]), dtype, quantization, parts, prefill_dtype)
+            weight = torch.cat([weights[n] for n in names])
+            return make_linear(weight, dtype, quantization, parts, prefill_dtype, batch_invariant)
 
         self.qkv_proj = linear("q_proj.weight", "k_proj.weight", "v_proj.weight")
         self.qkv_bias = (
@@ -72,6 +84,7 @@ class DecoderLayer:
         # The "cpu" attention backend brings C++ element-wise kernels too: one call each for the norms, RoPE and
         # SiLU-gating instead of ~30 tiny torch ops per layer, whose dispatch dominates a batch-1 step.
         self.fused = cpu_ops.load() if attention.backend == "cpu" and dtype == torch.float32 else None
+        self.norm = norm_for(batch_invariant)
 
     def projections(self) -> list:
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
@@ -80,7 +93,7 @@ class DecoderLayer:
         if self.fused is not None:
             return self._fused_call(hidden, cos, sin, k_cache, v_cache, meta)
         cfg = self.config
-        x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
+        x = self.norm(hidden, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
@@ -90,7 +103,7 @@ class DecoderLayer:
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = self.attention(q, k, v, k_cache, v_cache, meta)
         hidden = hidden + self.o_proj(attn.reshape(-1, self.q_size))
-        x = rms_norm(hidden, self.post_attention_norm, cfg.rms_norm_eps)
+        x = self.norm(hidden, self.post_attention_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
 
@@ -127,27 +140,37 @@ class LlamaForCausalLM:
         quantization: str = "none",
         blocks: dict[str, GGUFBlocks] | None = None,
         prefill_dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
     ) -> None:
-        """prefill_dtype: the dense GEMMs' dtype for prefill chunks of the GGUF's own blocks (gguf modes)."""
+        """prefill_dtype: the dense GEMMs' dtype for prefill chunks of the GGUF's own blocks (gguf modes);
+        batch_invariant: on CUDA, kernels that give a row the same output in any batch (projections, norms, decode
+        attention without split-K), so speculative decoding's verification rows equal plain decoding's rows."""
         assert quantization not in GGUF_MODES or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
         blocks = blocks or {}
         state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         attention = PagedAttention(
-            config.num_heads, config.num_kv_heads, config.head_dim, attention_backend, prefill_dtype
+            config.num_heads, config.num_kv_heads, config.head_dim, attention_backend, prefill_dtype, batch_invariant
         )
         self.attention_backend = attention.backend
+        # The batch-invariant kernels are Triton's: they run with the Triton attention backend (on CUDA, or under
+        # Triton's interpreter in tests); the CPU kernels give a row the same output in any batch already.
+        batch_invariant = batch_invariant and attention.backend == "triton"
         self.embed_tokens = state["embed_tokens"]
         lm_head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self.lm_head = make_linear(state[lm_head], dtype, quantization, [blocks.get(lm_head)])
+        self.lm_head = make_linear(
+            state[lm_head], dtype, quantization, [blocks.get(lm_head)], batch_invariant=batch_invariant
+        )
         self.norm = state["norm"]
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
             layer_blocks = {k.removeprefix(prefix): v for k, v in blocks.items() if k.startswith(prefix)}
-            self.layers.append(DecoderLayer(config, weights, attention, quantization, layer_blocks, prefill_dtype))
+            self.layers.append(
+                DecoderLayer(config, weights, attention, quantization, layer_blocks, prefill_dtype, batch_invariant)
+            )
         cos, sin = rope_cos_sin(config.head_dim, config.rope_theta, max_positions or config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
@@ -166,7 +189,7 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         fused = self.layers[0].fused if self.layers else None
-        norm = fused.rms_norm if fused is not None else rms_norm
+        norm = fused.rms_norm if fused is not None else self.layers[0].norm if self.layers else rms_norm
         hidden = norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden).float()
 

@@ -64,6 +64,9 @@ class ModelRunner:
         self.precision = resolve_precision(config.dtype, config.quantization, device, widest, mc.layer_formats)
         dtype = self.precision.dtype
         log.info("precision: %s", self.precision.reason)
+        if config.batch_invariant:
+            where = "Triton kernels" if device.type == "cuda" else "as the CPU kernels always are"
+            log.info("batch invariant: on (%s)", where)
         self.model = LlamaForCausalLM(
             mc,
             state,
@@ -74,6 +77,7 @@ class ModelRunner:
             self.precision.quantization,
             load_gguf_blocks(path) if self.precision.quantization in GGUF_MODES else None,
             self.precision.prefill_dtype,
+            config.batch_invariant,
         )
         del state
         # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).
