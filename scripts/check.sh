@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 echo "check: ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "check: import contracts" && .venv/bin/lint-imports
 echo "check: mypy" && bash scripts/typecheck.sh
-echo "check: pytest" && exec .venv/bin/python -m pytest -q "$@"
+echo "check: pytest" && exec .venv/bin/python -m pytest -q --durations=30 "$@"
