@@ -26,8 +26,12 @@ def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-6, atol=1e-5)
 
 
+# SmolLM2's qkv shape on a GPU (a smaller one through the interpreter, ~1/20 of its time), and sizes no tile divides
+SHAPES = [(576, 960), (100, 70)] if DEVICE.type == "cuda" else [(160, 200), (100, 70)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (100, 70)])  # SmolLM2's qkv shape, and sizes no tile divides
+@pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_matmul_matches_torch_and_a_row_is_the_same_in_any_batch(dtype, k, n):
     g = torch.Generator().manual_seed(k + n)
     x = torch.randn(max(BATCH_SIZES), k, generator=g).to(DEVICE, dtype)
