@@ -204,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "yes"),
         help="on CUDA, kernels whose output for a request does not depend on what shares its batch (fixed-tile "
-        "Triton GEMMs, row-wise norms, decode attention without split-K): greedy output with speculative decoding "
-        f"then equals plain decoding's bit for bit, at some speed (also ${BATCH_INVARIANT_ENV}=1; as vLLM's "
-        "VLLM_BATCH_INVARIANT). The CPU kernels are batch invariant as they are",
+        "Triton GEMMs, row-wise norms, decode rows through the prefill attention kernel): greedy output with "
+        "speculative decoding then equals plain decoding's bit for bit, at some speed "
+        f"(also ${BATCH_INVARIANT_ENV}=1; as vLLM's VLLM_BATCH_INVARIANT). The CPU kernels are batch invariant "
+        "as they are",
     )
     p.add_argument(
         "--num-threads",

@@ -9,22 +9,15 @@ kernels vLLM runs under VLLM_BATCH_INVARIANT). The price is cuBLAS's shape-tuned
 Under TRITON_INTERPRET=1 the same code runs on CPU tensors (float32), which is how the tests run it here.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenweir.kernels.attention.triton_paged import _check_device
+
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 64
-
-
-def _check(*tensors: torch.Tensor) -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        assert all(t.dtype == torch.float32 for t in tensors), "the Triton interpreter runs float32 only"
-    else:
-        assert all(t.is_cuda for t in tensors), "batch-invariant kernels need CUDA tensors (or TRITON_INTERPRET=1)"
 
 
 # M is not specialised: Triton would otherwise compile another kernel for M == 1 (or M % 16 == 0), and the
@@ -58,7 +51,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     assert weight.shape[0] == k and weight.dtype == x.dtype, "x [M, K] and weight [K, N] of one dtype"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    _check(x, weight)
+    _check_device(x, weight)
     if x.stride(1) != 1:
         x = x.contiguous()
     n = weight.shape[1]
@@ -90,7 +83,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] normalised row by row, one program a row, times weight [H]."""
     assert x.dim() == 2 and weight.shape == (x.shape[1],), "x [T, H], weight [H]"
-    _check(x, weight)
+    _check_device(x, weight)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -67,6 +67,7 @@ class PagedAttention:
         self.pass_max_seqlen_q = self.backend == "triton"
         self.prefill_bf16 = self.backend == "cpu" and prefill_dtype == torch.bfloat16
         self.decode_as_prefill = batch_invariant and self.backend == "triton"
+        self._one_each = torch.empty(0, dtype=torch.int32)  # 0..n: decode rows as one-token chunks, grown as needed
 
     def __call__(
         self,
@@ -103,7 +104,8 @@ class PagedAttention:
         tables, context = meta.decode_block_tables, meta.decode_context_lens
         if not self.decode_as_prefill:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale)
-        one_each = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        if self._one_each.numel() <= q.shape[0] or self._one_each.device != q.device:
+            self._one_each = torch.arange(2 * q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return self.ops.paged_prefill_attention(
-            q, k_cache, v_cache, tables, one_each, context, self.scale, max_seqlen_q=1
+            q, k_cache, v_cache, tables, self._one_each[: q.shape[0] + 1], context, self.scale, max_seqlen_q=1
         )

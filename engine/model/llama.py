@@ -143,8 +143,9 @@ class LlamaForCausalLM:
         batch_invariant: bool = False,
     ) -> None:
         """prefill_dtype: the dense GEMMs' dtype for prefill chunks of the GGUF's own blocks (gguf modes);
-        batch_invariant: on CUDA, kernels that give a row the same output in any batch (projections, norms, decode
-        attention without split-K), so speculative decoding's verification rows equal plain decoding's rows."""
+        batch_invariant: with the Triton attention backend (CUDA), kernels that give a row the same output in any
+        batch (projections, norms, decode rows through the prefill attention kernel), so speculative decoding's
+        verification rows equal plain decoding's rows."""
         assert quantization not in GGUF_MODES or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
@@ -156,7 +157,8 @@ class LlamaForCausalLM:
         self.attention_backend = attention.backend
         # The batch-invariant kernels are Triton's: they run with the Triton attention backend (on CUDA, or under
         # Triton's interpreter in tests); the CPU kernels give a row the same output in any batch already.
-        batch_invariant = batch_invariant and attention.backend == "triton"
+        self.batch_invariant = batch_invariant = batch_invariant and attention.backend == "triton"
+        self.rms_norm = norm_for(batch_invariant)
         self.embed_tokens = state["embed_tokens"]
         lm_head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
         self.lm_head = make_linear(
@@ -189,7 +191,7 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         fused = self.layers[0].fused if self.layers else None
-        norm = fused.rms_norm if fused is not None else self.layers[0].norm if self.layers else rms_norm
+        norm = fused.rms_norm if fused is not None else self.rms_norm
         hidden = norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden).float()
 

@@ -64,9 +64,6 @@ class ModelRunner:
         self.precision = resolve_precision(config.dtype, config.quantization, device, widest, mc.layer_formats)
         dtype = self.precision.dtype
         log.info("precision: %s", self.precision.reason)
-        if config.batch_invariant:
-            where = "Triton kernels" if device.type == "cuda" else "as the CPU kernels always are"
-            log.info("batch invariant: on (%s)", where)
         self.model = LlamaForCausalLM(
             mc,
             state,
@@ -80,6 +77,11 @@ class ModelRunner:
             config.batch_invariant,
         )
         del state
+        if config.batch_invariant:  # what the model made of it: the kernels exist for the Triton backend only
+            how = (
+                "Triton kernels" if self.model.batch_invariant else f"the {self.model.attention_backend} backend's own"
+            )
+            log.info("batch invariant: %s", how)
         # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).
         self.block_bytes = kv_block_bytes(mc, config.block_size, dtype)
         self.num_blocks = num_kv_blocks(self.model, config, self.block_bytes, device)
