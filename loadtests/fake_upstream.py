@@ -15,6 +15,8 @@ Knobs (per request, in the body so they pass through the gateway as extra fields
   - fail_after: a stream that breaks (connection cut) after this many chunks
   - usage: false to send no usage at all (an upstream that ignores stream_options)
   - overrun: true to make `tokens` whatever max_tokens says (an upstream that ignores it)
+  - arrive_ms: the request reaches the model this much later (still on the wire); aborted before then, it is refused
+    on arrival and makes nothing, as our engine does
 Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503).
 Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
 length; each stream chunk is one token; n choices make n x tokens, for each prompt of a completions batch. An
@@ -52,6 +54,7 @@ class FakeUpstream:
     model: str = "fake-model"
     records: dict[str, FakeRecord] = field(default_factory=dict)
     aborts: list[str] = field(default_factory=list)
+    aborted_unseen: set[str] = field(default_factory=set)  # aborted before they arrived: refused if they do
     fail_next: int = 0
     down: bool = False
     requests_seen: int = 0
@@ -123,6 +126,12 @@ class FakeUpstream:
         if path == "/v1/embeddings":
             return await self._embed(send, req, rid)
         chat = path == "/v1/chat/completions"
+        if knobs.get("arrive_ms"):  # still on its way to the engine this long (a slow network, a busy server)
+            await asyncio.sleep(knobs["arrive_ms"] / 1000)
+        if rid in self.aborted_unseen:  # as our engine does: it makes nothing for a request aborted on the way
+            self.aborted_unseen.discard(rid)
+            self.records[rid] = FakeRecord(rid, 0, status="aborted", stream=bool(req.get("stream")))
+            return await _json(send, 499, _err("aborted", "invalid_request_error", "aborted"))
         record = FakeRecord(rid, _count_prompt(req, chat), stream=bool(req.get("stream")))
         self.records[rid] = record
         # As OpenAI and vLLM read them: chat prefers max_completion_tokens, completions knows only max_tokens.
@@ -260,7 +269,8 @@ class FakeUpstream:
         self.aborts.append(rid)
         record = self.records.get(rid)
         if record is None:
-            return await _json(send, 200, {"request_id": rid, "status": "unknown"})
+            self.aborted_unseen.add(rid)
+            return await _json(send, 200, {"request_id": rid, "status": "unknown", "usage": None})
         status = "finished" if record.status == "finished" else "aborted"
         if record.status in ("running", "cancelled"):
             record.status = "aborted"

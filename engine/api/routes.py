@@ -136,6 +136,8 @@ async def detokenize(body: DetokenizeRequest, engine: Engine) -> dict:
 
 @router.post("/abort")
 async def abort(body: AbortRequest, engine: Engine) -> dict:
+    """Stop a request; the answer's usage is exactly what it made. "unknown": it never reached this engine (it made
+    nothing, and if it arrives late it is refused)."""
     out = await engine.abort(body.request_id)
     status = "unknown" if out is None else "aborted" if out.finish_reason == "abort" else "finished"
     answer = {"request_id": body.request_id, "status": status, "usage": out.usage if out else None}

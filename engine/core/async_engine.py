@@ -36,6 +36,9 @@ from tokenweir.engine.sched.stats import SchedulerStats
 
 log = logging.getLogger("tokenweir.engine")
 FINISHED_MEMORY = 20_000  # final usage of this many recent requests stays queryable (POST /abort after the fact)
+# An abort that finds no request leaves the id barred this long: a request whose bytes were still on the wire when
+# its sender gave up and aborted it is refused on arrival, so "unknown" means nothing was made and nothing will be.
+ABORTED_UNSEEN_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -161,6 +164,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._finished: OrderedDict[str, RequestOutput] = OrderedDict()  # engine thread writes
+        self._aborted_unseen: OrderedDict[str, float] = OrderedDict()  # engine thread only: id -> when aborted
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = thread
         self._running: Future | None = None
@@ -240,7 +244,8 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Abort if still running; returns the request's final output (exact token counts) if it is known at all.
-        Its stream, if someone is reading it, receives that final output and ends."""
+        Its stream, if someone is reading it, receives that final output and ends. None: it never reached this
+        engine, and should it arrive within ABORTED_UNSEEN_S it ends at once, unserved."""
         if self.errored is not None or not self.started:
             return self._finished.get(request_id)  # nothing would ever answer the command
         done = self._event_loop.create_future()
@@ -323,6 +328,8 @@ class AsyncEngine:
             outputs = self.engine.abort_request(command.request_id)
             if not outputs:
                 out = self._finished.get(command.request_id)
+                if out is None:
+                    self._bar(command.request_id)
             else:
                 now = time.monotonic()
                 for seq in running:
@@ -333,6 +340,12 @@ class AsyncEngine:
             self._event_loop.call_soon_threadsafe(command.reply, out)
 
     def _add(self, command: _Add) -> None:
+        barred_at = self._aborted_unseen.pop(command.request_id, None)
+        if barred_at is not None and barred_at >= time.monotonic() - ABORTED_UNSEEN_S:
+            # aborted before it arrived: it ends at once, having made nothing (its sender was told so)
+            out = RequestOutput(command.request_id, [], "", True, "abort", 0, 0, 0)
+            self._event_loop.call_soon_threadsafe(self._deliver, [out])
+            return
         try:
             self.engine.add_request(
                 command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
@@ -350,6 +363,14 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         self.stats = self.engine.make_stats()
         self.metrics.observe_scheduler(self.stats)
+
+    def _bar(self, request_id: str) -> None:
+        now = time.monotonic()
+        barred = self._aborted_unseen
+        barred[request_id] = now
+        barred.move_to_end(request_id)
+        while barred and (len(barred) > FINISHED_MEMORY or next(iter(barred.values())) < now - ABORTED_UNSEEN_S):
+            barred.popitem(last=False)
 
     def _remember(self, out: RequestOutput) -> None:
         self._finished[out.request_id] = out

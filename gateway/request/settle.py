@@ -120,6 +120,10 @@ class Settler:
                 if answer and answer.get("usage"):
                     ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
                     ctx.kv_transfer = answer.get("kv_transfer_params") or ctx.kv_transfer
+                elif answer and answer.get("status") == "unknown" and ctx.ttft_s is None:
+                    # cut before it reached the engine, which now refuses it should it arrive: nothing was made.
+                    # (After a first token the engine did have it and has restarted since: billed as before.)
+                    ctx.usage, ctx.usage_source = {"prompt_tokens": 0, "completion_tokens": 0}, "engine_abort"
             if stream is not None:  # a stream read to its end is drained: its keep-alive connection goes back
                 await stream.close(drain=stream.chunks.done and not ctx.incomplete)
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen

@@ -367,6 +367,19 @@ async def test_abort_of_finished_and_unknown_requests(served):
     assert done["status"] == "finished" and done["usage"]["prompt_tokens"] == len(PROMPT)
     unknown = (await served.post("/abort", {"request_id": "never-seen"})).json()
     assert unknown == {"request_id": "never-seen", "status": "unknown", "usage": None}
+    # "unknown" holds: the request, arriving after its abort (its bytes were on the wire), is ended unserved
+    prompts_before = (await served.metrics())["tokenweir:prompt_tokens_total"]
+    late = await served.post(
+        "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, headers={"X-Request-Id": "never-seen"}
+    )
+    assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "abort", late.text
+    assert late.json()["usage"]["total_tokens"] == 0
+    assert (await served.metrics())["tokenweir:prompt_tokens_total"] == prompts_before
+    # the bar is spent: the id serves a new request
+    again = await served.post(
+        "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, headers={"X-Request-Id": "never-seen"}
+    )
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2, again.text
 
 
 async def test_stream_closed_by_client_is_aborted(served):

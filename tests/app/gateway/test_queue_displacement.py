@@ -19,6 +19,7 @@ from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.state import URL, drop_redis_prefix, fresh_redis_prefix
 from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.request.queue import DispatchQueue, Ticket
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.redis import RedisState
 from tokenweir.gateway.store.store import Store
@@ -102,6 +103,20 @@ async def live_state(client: httpx.AsyncClient, stack, team_id: str) -> dict:
     return r.json()["live"]
 
 
+def record_grants(queue: DispatchQueue) -> list[Ticket]:
+    """Every ticket the queue hands out, kept as it is granted (its `granted_at` orders them)."""
+    grants: list[Ticket] = []
+    acquire = queue.acquire
+
+    async def recording_acquire(*args, **kwargs) -> Ticket:
+        ticket = await acquire(*args, **kwargs)
+        grants.append(ticket)
+        return ticket
+
+    queue.acquire = recording_acquire  # type: ignore[method-assign]
+    return grants
+
+
 async def fill_pool(client, stack, auth: dict, tag: str) -> tuple[list[asyncio.Task], list[asyncio.Task]]:
     """Both slots held until the upstream's gate opens, then the whole queue, one arrival at a time (arrival order
     = list order)."""
@@ -118,6 +133,7 @@ async def fill_pool(client, stack, auth: dict, tag: str) -> tuple[list[asyncio.T
 async def test_a_critical_request_displaces_the_latest_batch_waiter_from_a_full_queue(stack):
     batch_team, batch = make_team(stack, PRIORITY_BATCH)
     crit_team, crit = make_team(stack, PRIORITY_CRITICAL)
+    grants = record_grants(stack["queue"])
     async with httpx.AsyncClient(base_url=stack["url"], timeout=30) as client:
         holders, queued = await fill_pool(client, stack, batch, "batch")
         before = await live_state(client, stack, batch_team)
@@ -150,10 +166,14 @@ async def test_a_critical_request_displaces_the_latest_batch_waiter_from_a_full_
         shed = next(e for e in events if e["request_id"] == "batch-q9")
         assert (shed["status"], shed["reason"], shed["http_status"]) == ("rejected", "displaced", 429)
         assert shed["prompt_tokens"] == shed["completion_tokens"] == 0
-        # the critical request went next, before the 9 batch waiters queued ahead of it (upstream arrival order)
+        # the critical request was granted the next slot, before the 9 batch waiters queued ahead of it, who kept
+        # their arrival order (the queue's grants; upstream arrival may swap two requests granted a moment apart)
+        granted = sorted(grants, key=lambda t: t.granted_at)[CAPACITY:]
+        assert [t.team_id for t in granted] == [crit_team] + [batch_team] * 9, granted
+        assert [t.id for t in granted[1:]] == sorted(t.id for t in granted[1:]), "batch waiters out of FIFO order"
         by_upstream_id = {e["upstream_request_id"]: e["request_id"] for e in events if e["upstream_request_id"]}
         order = [by_upstream_id[uid] for uid in stack["fake"].records if uid in by_upstream_id]
-        assert order[CAPACITY:] == ["crit"] + [f"batch-q{i}" for i in range(9)], order
+        assert "crit" in order[CAPACITY : 2 * CAPACITY], order
 
         spent = sum(e["prompt_tokens"] + e["completion_tokens"] for e in events if e["team"] == batch_team)
         end = await live_state(client, stack, batch_team)
