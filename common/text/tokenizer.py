@@ -13,15 +13,13 @@ import json
 import os
 from collections.abc import Iterable
 from functools import cache
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import jinja2
 import tiktoken
 
 from tokenweir.common.text.chat_template import compile_chat_template
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from tokenweir.common.text.gguf_file import read_gguf
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -175,41 +173,23 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        from gguf import GGUFReader
-
-        return cls.from_gguf_reader(GGUFReader(path), name=os.path.basename(path))
-
-    @classmethod
-    def from_gguf_reader(cls, reader: GGUFReader, name: str | None = None) -> Tokenizer:
-        """From an open gguf.GGUFReader: a model loader that already parsed the file (seconds) shares it."""
-
-        def field(key: str, default: Any = None) -> Any:
-            f = reader.fields.get(key)
-            if f is None:
-                return default
-            if len(f.types) == 2 and f.types[1].name == "STRING":  # array of strings
-                return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-            if f.types[0].name == "ARRAY":
-                return [int(f.parts[i][0]) for i in f.data]
-            if f.types[0].name == "STRING":
-                return bytes(f.parts[f.data[0]]).decode("utf-8")
-            return f.parts[f.data[0]][0].item()
-
-        model = field("tokenizer.ggml.model")
+        """The tokenizer a .gguf file carries (its metadata only: no weights are read)."""
+        fields = read_gguf(path).fields
+        model = fields.get("tokenizer.ggml.model")
         assert model == "gpt2", f"only byte-level BPE (tokenizer.ggml.model 'gpt2') is supported, got {model!r}"
-        tokens = field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         return cls(
-            name=field("general.name", name or "gguf"),
+            name=fields.get("general.name", os.path.basename(path)),
             tokens=tokens,
-            token_types=field("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)),
+            token_types=fields.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)),
             merges=merges,
-            pre=field("tokenizer.ggml.pre"),
-            bos_token_id=field("tokenizer.ggml.bos_token_id"),
-            eos_token_id=field("tokenizer.ggml.eos_token_id"),
-            pad_token_id=field("tokenizer.ggml.padding_token_id"),
-            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
-            chat_template=field("tokenizer.chat_template"),
+            pre=fields.get("tokenizer.ggml.pre"),
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
         )
 
     @classmethod

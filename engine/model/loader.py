@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from tokenweir.common.text.gguf_file import GGUFTensorInfo, read_gguf
 from tokenweir.engine.config import ModelConfig
 from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 
@@ -68,19 +72,55 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    """A tensor of a .gguf file as gguf.GGUFReader gives it: `shape` in ggml's order (fastest first), `data` a
+    read-only view of the file, typed for float and integer tensors, bytes [rows, bytes per row] for block formats."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+           "I32": np.int32, "I64": np.int64}  # fmt: skip
+
+
+class MappedGGUF:
+    """A .gguf file's fields and tensors (common/text/gguf_file.py reads the directory; the data is mapped)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = read_gguf(path)
+        self.fields = self.file.fields
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        self.tensors = [self._tensor(path, raw, info) for info in self.file.tensors]
+
+    @staticmethod
+    def _tensor(path: str, raw: np.ndarray, info: GGUFTensorInfo) -> _Tensor:
+        kind = GGMLQuantizationType(info.ggml_type)
+        block, type_size = GGML_QUANT_SIZES[kind]
+        dims = tuple(reversed(info.dims))  # numpy's order
+        end = info.offset + math.prod(dims) * type_size // block
+        if end > raw.size:
+            raise ValueError(f"{path}: tensor {info.name} runs past the end of the file (cut short?)")
+        data = raw[info.offset : end]
+        dtype = _DTYPES.get(kind.name)
+        if dtype is not None:
+            data = data.view(dtype).reshape(dims)
+        else:
+            data = data.reshape(*dims[:-1], dims[-1] // block * type_size)
+        return _Tensor(info.name, kind, info.dims, data)
+
+
+def _gguf_field(reader: MappedGGUF, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = MappedGGUF(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: architecture {arch!r} is not a supported Llama-family decoder")
@@ -137,11 +177,9 @@ def _load_gguf(path: str, progress: bool) -> tuple[ModelConfig, dict[str, torch.
 def load_gguf_blocks(path: str) -> dict[str, GGUFBlocks]:
     """The matrices of a .gguf file stored in a block format a kernel takes (Q4_1, Q8_0), undequantized: canonical
     name -> GGUFBlocks with rows in torch's [out, in] order (q/k rows unpermuted as `load_model_weights` does)."""
-    from gguf import GGUFReader
-
     if not path.endswith(".gguf"):
         raise ValueError(f"{path}: --quantization gguf takes a .gguf model; a HF directory has no GGUF blocks")
-    reader = GGUFReader(path)
+    reader = MappedGGUF(path)
     arch = _gguf_field(reader, "general.architecture")
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
