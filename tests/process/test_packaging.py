@@ -24,6 +24,7 @@ import pytest
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.support.serve_thread import ServerThread
+from tokenweir.common.text.model_files import default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 # each installed as tokenweir.<name>
@@ -101,8 +102,15 @@ def test_core_install_serves_a_hosted_upstream_without_torch(core_venv, tmp_path
             "store_url": f"sqlite:///{tmp_path}/tw.db",
             "events": {"path": str(tmp_path / "events.jsonl")},
             "engine": {"enabled": False},
-            # A base_url with /v1, as hosted APIs are usually written: the gateway strips it.
-            "pools": [{"model": "hosted", "upstreams": [{"base_url": upstream.url + "/v1", "engine": False}]}],
+            # A base_url with /v1, as hosted APIs are usually written: the gateway strips it. Exact prompt counts
+            # with a GGUF's tokenizer need nothing beyond the core (no numpy, no gguf): the default model's file.
+            "pools": [
+                {
+                    "model": "hosted",
+                    "upstreams": [{"base_url": upstream.url + "/v1", "engine": False}],
+                    "tokenizer": default_model_path(),
+                }
+            ],
         }
         (tmp_path / "c.yaml").write_text(json.dumps(config))  # JSON is YAML
         proc = subprocess.Popen(
