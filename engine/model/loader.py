@@ -91,10 +91,10 @@ class MappedGGUF:
     """A .gguf file's fields and tensors (common/text/gguf_file.py reads the directory; the data is mapped)."""
 
     def __init__(self, path: str) -> None:
-        self.file = read_gguf(path)
-        self.fields = self.file.fields
+        file = read_gguf(path)
+        self.fields = file.fields
         raw = np.memmap(path, dtype=np.uint8, mode="r")
-        self.tensors = [self._tensor(path, raw, info) for info in self.file.tensors]
+        self.tensors = [self._tensor(path, raw, info) for info in file.tensors]
 
     @staticmethod
     def _tensor(path: str, raw: np.ndarray, info: GGUFTensorInfo) -> _Tensor:
