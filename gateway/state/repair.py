@@ -29,6 +29,7 @@ from tokenweir.gateway.store.store import Store
 from tokenweir.policies.budget import DAY, MONTH, period_start_day
 
 log = get_logger()
+_SEEDING_POLL_S = 0.05  # a replica waiting at start for another's seeding looks this often
 
 
 def stored_spend(store: Store, now: float, team_id: str | None = None) -> dict[str, list[SubjectSpend]]:
@@ -69,13 +70,21 @@ class StateWatch:
 
     async def start(self) -> None:
         """At start-up (raises while Redis is unreachable): adopt the live epoch, or seed a Redis that has none. No
-        wait here: a replica starting alone has nothing in flight, and replicas already running see the new epoch
-        on their next look and put back what they hold."""
-        current = await self.epoch.current()
-        if current is None:
-            await self.rebuild(wait_s=0.0)
-        else:
-            self.known = self.seen = current
+        wait before seeding: a replica starting alone has nothing in flight, and replicas already running see the
+        new epoch on their next look and put back what they hold. Replicas starting together on an empty Redis: one
+        seeds, the others wait for its epoch (adopting none, they would refuse every new team until their next look)."""
+        waited = False
+        while True:
+            current = await self.epoch.current()
+            if current is not None:
+                self.known = self.seen = current
+                return
+            if await self.rebuild(wait_s=0.0):
+                return
+            if not waited:
+                log.info("state_seeding_elsewhere")
+                waited = True
+            await asyncio.sleep(_SEEDING_POLL_S)
 
     async def run(self) -> None:
         while True:
@@ -101,11 +110,11 @@ class StateWatch:
         else:
             await self.rebuild(wait_s=self.watch_s + 1.0)
 
-    async def rebuild(self, wait_s: float) -> None:
-        """Seed every team under a new epoch, if this replica wins the lock (else another is doing it)."""
+    async def rebuild(self, wait_s: float) -> bool:
+        """Seed every team under a new epoch, if this replica wins the lock; False if another one is doing it."""
         owner = uuid.uuid4().hex
         if not await self.epoch.lock(owner, ttl_s=wait_s + 60.0):
-            return
+            return False
         try:
             await asyncio.sleep(wait_s)  # every replica has seen the loss, flushed its usage and put back its holds
             epoch, now = uuid.uuid4().hex, time.time()
@@ -117,6 +126,7 @@ class StateWatch:
             log.warning("state_seeded", epoch=epoch, teams=len(spend))
         finally:
             await self.epoch.unlock(owner)
+        return True
 
     async def seed_new_team(self, team_id: str) -> bool:
         """A team Redis has no seeded spend for, on its first request: seed it at once when the epoch is the one

@@ -50,10 +50,19 @@ def fleet(tmp_path, replicas: int, cap: int | None, *, sync_s: float = 0.05, rou
             )
             state = InMemoryState() if prefix is None else RedisState(URL, prefix=prefix)
             gateways.append(stack.enter_context(serve_app(config, store=store, state_backend=state)))
+        for g in gateways:  # as a load balancer would: traffic once each replica is ready (its state seeded)
+            until_ready(g.url)
         yield {"gateways": gateways, "engines": engines, "store": store, "events": tmp_path}
     store.close()
     if prefix is not None:
         drop_redis_prefix(prefix)
+
+
+def until_ready(url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, f"{url} not ready in {timeout_s} s"
+        time.sleep(0.02)
 
 
 def new_team(store, **limits) -> tuple[str, str]:

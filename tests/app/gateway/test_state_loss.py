@@ -20,10 +20,12 @@ import redis
 from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.services import require_service
+from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.redis import RedisState
 from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend
+from tokenweir.gateway.state.repair import StateWatch
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
@@ -170,3 +172,19 @@ async def test_a_seed_adds_the_stored_spend_exactly_and_once_per_epoch(redis_pre
     assert (team["day"]["spent"], team["month"]["spent"], key["day"]["spent"]) == (10, 20, 5)
     assert (team["day_usd"]["spent"], key["day_usd"]["spent"]) == (0.001500000000123, 7e-13)
     await state.close()
+
+
+async def test_replicas_starting_together_on_an_empty_redis_all_adopt_the_one_seeding(tmp_path, redis_prefix):
+    store = Store.open(f"sqlite:///{tmp_path}/store.db")
+    team = store.create_team(f"team-{uuid.uuid4().hex[:8]}", TeamLimits(tokens_per_day=1000))
+    states = [RedisState("redis://127.0.0.1:6379/0", prefix=redis_prefix) for _ in range(3)]
+    watches = [StateWatch(s, store, UsageRecorder(store)) for s in states]
+    await asyncio.gather(*(w.start() for w in watches))  # one wins the seeding lock, the others wait for its epoch
+    assert len({w.known for w in watches}) == 1 and watches[0].known is not None
+    late = store.create_team(f"team-{uuid.uuid4().hex[:8]}", TeamLimits(tokens_per_day=1000))
+    for i, t in enumerate((team, late, late)):  # a team seeded at start; a team created since, seeded on its arrival
+        hold = await states[i].reserve(t.id, t.limits, 5, 10)
+        await states[i].settle(hold, 5, 10)
+    for s in states:
+        await s.close()
+    store.close()
