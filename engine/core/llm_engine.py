@@ -338,6 +338,12 @@ class LLMEngine:
             return freed
         for fetch in self.kv_fetcher.poll():
             if not fetch.block_ids:  # a release: the producer's pin is not needed
+                if not fetch.ok:
+                    log.warning(
+                        "request %s: the producer was not told to free its pinned KV (%s); it frees it at its timeout",
+                        fetch.seq.group_id,
+                        fetch.error,
+                    )
                 continue
             del self._fetches[fetch.seq.request_id]
             self.kv_fetches += 1
