@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 from tokenweir.common.engine_flags import DEFAULT_GPU_MEMORY_UTILIZATION
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "shortest-prompt")
+
 
 @dataclass
 class ModelConfig:
@@ -150,6 +152,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # off: a prompt is computed in one step, never cut into chunks
     long_prefill_token_threshold: int = 0  # a prompt's chunk at most this many tokens a step; 0: the step's budget
+    # which waiting request starts next, within a priority: "fcfs" (or "priority": the same) the earliest arrival;
+    # "shortest-prompt" the one whose prompt would be done first if started at its arrival (Scheduler.admission_key)
+    scheduling_policy: str = "fcfs"
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
@@ -162,6 +167,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold: 0 (off) or more"
+        assert self.scheduling_policy in SCHEDULING_POLICIES, (
+            f"scheduling_policy: one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+        )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             assert value is None or value >= 1, f"{name}: at least 1, got {value}"

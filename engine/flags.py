@@ -9,7 +9,7 @@ import os
 
 from tokenweir.common.engine_flags import API_KEY_ENV, parse_size
 from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
-from tokenweir.engine.config import EngineConfig, KVTransferConfig, SpeculativeConfig
+from tokenweir.engine.config import SCHEDULING_POLICIES, EngineConfig, KVTransferConfig, SpeculativeConfig
 
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
 # sends on a connection the server is closing at that very moment.
@@ -174,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
         "behind a long one start at once (0: a prompt may take the whole --max-num-batched-tokens)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=d.scheduling_policy,
+        help="which waiting request starts next within a priority (a request's priority always comes first): fcfs "
+        "or priority, the earliest arrival; shortest-prompt, the one whose prompt would be computed first had it "
+        "started when it arrived (a burst's short prompts first, a long prompt passed over only by prompts that "
+        "arrived within its own compute time; lowers the median TTFT of mixed bursts, raises the longest ones')",
+    )
+    p.add_argument(
         "--speculative-config",
         type=parse_speculative,
         default=None,
@@ -271,6 +280,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
         speculative=args.speculative_config,
         kv_transfer=args.kv_transfer_config,
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,

@@ -112,12 +112,14 @@ def served_model(url: str) -> str:
         return orjson.loads(r.read())["data"][0]["id"]
 
 
-def measure_ours(model_path: str, dtype: str, quantization: str, threads: int, work) -> tuple[dict, str]:
+def measure_ours(
+    model_path: str, dtype: str, quantization: str, threads: int, work, policy: str = "fcfs"
+) -> tuple[dict, str]:
     port = llama_server.free_port()
     cmd = [
         sys.executable, "-m", "tokenweir.engine.server", "--model", model_path, "--port", str(port), "--dtype", dtype,
         "--quantization", quantization, *(["--num-threads", str(threads)] if threads else []),
-        "--max-num-seqs", str(CONCURRENCY),
+        "--max-num-seqs", str(CONCURRENCY), "--scheduling-policy", policy,
         "--kv-cache-memory", "2GiB", "--log-level", "info",
     ]  # fmt: skip
     log_path = f"/tmp/tokenweir-bench-engine-{port}.log"
@@ -235,6 +237,10 @@ def main() -> None:
     ap.add_argument("--skip-f32", action="store_true", help="no float32 row of ours")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--plot", default="", help="also draw the table (PNG path)")
+    ap.add_argument(
+        "--scheduling-policy", nargs="+", default=["fcfs"], choices=["fcfs", "shortest-prompt"],
+        help="our auto row once per policy (the first is the one compared with llama-server's row)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
@@ -248,8 +254,11 @@ def main() -> None:
     if not args.skip_f32:
         f32, _ = measure_ours(path, "float32", "none", args.engine_threads, work)
         rows.append(("tokenweir engine (f32)", f32))
-    auto, reason = measure_ours(path, "auto", "auto", args.engine_threads, work)
-    rows.append(("tokenweir engine (auto)", auto))
+    autos = {}
+    for policy in args.scheduling_policy:
+        autos[policy], reason = measure_ours(path, "auto", "auto", args.engine_threads, work, policy)
+        label = "auto" if len(args.scheduling_policy) == 1 else f"auto, {policy}"
+        rows.append((f"tokenweir engine ({label})", autos[policy]))
     llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     if llama:
         rows.append(("llama-server (Q4_1)", llama))
@@ -263,8 +272,9 @@ def main() -> None:
         tpot = f"{r['tpot_p50']:.0f}" if "tpot_p50" in r else "-"
         print(f"| {name} | {r['tok_s']:.1f} | {ttft} | {tpot} | {r['b1']:.1f} |")
     if llama:
-        b1, tok, ttft = (auto[k] / llama[k] for k in ("b1", "tok_s", "ttft_p50"))
-        print(f"\nauto / llama-server: batch-1 {b1:.2f}x, throughput {tok:.2f}x, TTFT p50 {ttft:.2f}x")
+        for policy, row in autos.items():
+            b1, tok, ttft = (row[k] / llama[k] for k in ("b1", "tok_s", "ttft_p50"))
+            print(f"\nauto ({policy}) / llama-server: batch-1 {b1:.2f}x, throughput {tok:.2f}x, TTFT p50 {ttft:.2f}x")
         print("targets: batch-1 >= 1, throughput >= 2, TTFT p50 <= 0.33")
     else:
         print("\nllama-server: no row (see above for why)")

@@ -8,6 +8,8 @@ Lever (off / on, server flags): workload it is for; workload it is not for.
 - prefix caching (--no-enable-prefix-caching / default): 24 requests sharing a long system prompt; unique prompts.
 - chunked prefill (--no-enable-chunked-prefill, a prompt in one step / chunks of 256): long documents arriving among
   short chats (indicators over the chats); the chats alone.
+- scheduling (--scheduling-policy fcfs / shortest-prompt): 16 prompts at once of mixed lengths (TTFT p50 is the
+  indicator; p95, the longest prompts', pays for it); 16 prompts of one length.
 - speculative (off / ngram k=4): copying answers (code edits, extraction, quoting), one at a time; open chat.
 - structured outputs (no response_format / json_schema): extraction prompts asking for JSON; open chat as json_object.
 - disaggregated prefill (2 colocated engines / 1 prefill + 1 decode engine, the threads split evenly between the two
@@ -128,6 +130,13 @@ def chunked_workloads(rng: random.Random) -> list[Workload]:
     mixed = sorted(chats + documents, key=lambda r: r.at)
     alone = [Request(r.messages, r.max_tokens, at=r.at) for r in chats]
     return [Workload("long docs + chats", mixed, 16, measure="chat"), Workload("chats only", alone, 16)]
+
+
+def scheduling_workloads(rng: random.Random) -> list[Workload]:
+    """16 prompts at once, of mixed lengths (~30 to ~1000 tokens) or all of one length (the order cannot matter)."""
+    mixed = [Request(chat("Summarize in one line:\n" + words(rng, rng.randint(20, 750))), 16) for _ in range(16)]
+    same = [Request(chat("Summarize in one line:\n" + words(rng, 385)), 16) for _ in range(16)]
+    return [Workload("burst, mixed lengths", mixed, 16), Workload("burst, one length", same, 16)]
 
 
 def speculative_workloads() -> list[Workload]:
@@ -298,6 +307,13 @@ def levers(seed: int) -> list[Lever]:
             chunked_workloads(rng),
             ("itl_p99", "chats' ITL p99 ms"),
         ),
+        Lever(
+            "scheduling (shortest prompt)",
+            [],
+            ["--scheduling-policy", "shortest-prompt"],
+            scheduling_workloads(rng),
+            ("ttft_p50", "TTFT p50 ms"),
+        ),
         Lever("speculative", [], ["--speculative-config", SPEC], speculative_workloads(), ("tpot_p50", "TPOT p50 ms")),
         Lever("structured", [], [], [], ("invalid", "invalid JSON rate")),
         Lever("disaggregated prefill", [], [], [], ("tpot_p95", "chats' TPOT p95 ms")),
@@ -389,7 +405,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--levers", nargs="*", default=["prefix", "chunked", "speculative", "structured", "disaggregated"])
+    names = ["prefix", "chunked", "scheduling", "speculative", "structured", "disaggregated"]
+    ap.add_argument("--levers", nargs="*", default=names)
     ap.add_argument("--disagg-seconds", type=float, default=40.0, help="disaggregated prefill: arrivals over this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="")

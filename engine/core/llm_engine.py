@@ -85,6 +85,7 @@ class LLMEngine:
             eos_token_ids=self.stop_token_ids,
             chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            shortest_prompt_first=config.scheduling_policy == "shortest-prompt",
         )
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative is not None and config.speculative.method == "draft_model":
@@ -151,6 +152,7 @@ class LLMEngine:
         chunked = f"on (chunks of {chunk})" if config.enable_chunked_prefill else "off"
         return (
             f"prefix_caching={'on' if config.enable_prefix_caching else 'off'}, chunked_prefill={chunked}, "
+            f"scheduling_policy={config.scheduling_policy}, "
             f"speculative={spec.describe() if spec is not None else 'off'}, structured_outputs=per request, "
             f"kv_transfer={config.kv_transfer.describe() if config.kv_transfer is not None else 'off'}"
         )
@@ -294,6 +296,8 @@ class LLMEngine:
         sampled_token_ids, logprobs, failed = self.runner.run(batch)
         if self.draft_budget is not None and not batch.prefills:
             self.draft_budget.observe_step(batch.num_tokens, time.monotonic() - start)
+        if batch.prefills:
+            self.scheduler.observe_step(batch.num_tokens, time.monotonic() - start)
         spec = self._record_drafts(batch, sampled_token_ids)
         stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
         outputs = []

@@ -2,7 +2,8 @@
 it, what they produced (`update`).
 
 `schedule`, under `max_num_batched_tokens` and `max_num_seqs`: running sequences first, in priority order (decodes
-and unfinished prefill chunks), then waiting ones by (priority, arrival), their prompts cut into chunks that fit the
+and unfinished prefill chunks), then waiting ones by (priority, arrival) or, with `shortest_prompt_first`, by
+(priority, when their prompt would be done had it started on arrival), their prompts cut into chunks that fit the
 remaining token budget, so a long prompt never stalls the streams already running. When blocks run out, the
 lowest-priority, latest-arriving running sequence is preempted (its blocks freed; it is recomputed later, mostly from
 the prefix cache).
@@ -59,8 +60,13 @@ class Scheduler:
         eos_token_ids: set[int],
         chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        shortest_prompt_first: bool = False,
     ) -> None:
         self.block_manager = block_manager
+        # which waiting sequence starts next within a priority: the earliest arrival, or (shortest_prompt_first)
+        # the least `admission_key`, which needs the engine's pace: tokens a step computes per second, learned
+        self.shortest_prompt_first = shortest_prompt_first
+        self.tokens_per_s = self.INITIAL_TOKENS_PER_S
         self.chunked_prefill = chunked_prefill
         # a prompt's chunk is at most this many tokens a step (0: the whole budget), so a long prompt leaves room for
         # the short ones behind it instead of holding every step's budget until it is done (vLLM's knob)
@@ -79,9 +85,30 @@ class Scheduler:
         self.fetching: list[Sequence] = []
         self.new_fetches: list[Sequence] = []
 
+    INITIAL_TOKENS_PER_S = 1000.0  # a CPU's prefill pace, until steps have been timed
+    PACE_WEIGHT = 0.2  # of the newest step in the learned pace
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def admission_key(self, seq: Sequence) -> tuple[int, float]:
+        """Shortest-prompt order: priority, then when the sequence's prompt (what is left of it) would be computed
+        had it started on arrival. A burst's prompts go shortest first; a long prompt is passed over only by
+        prompts that arrived within the time its own computation takes, so it waits a bounded time, never starves."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        return seq.priority, seq.arrival_time + left / self.tokens_per_s
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step with prefill chunks computed `num_tokens` in `seconds`: the pace admission_key counts in."""
+        if seconds > 0 and num_tokens > 0:
+            self.tokens_per_s += self.PACE_WEIGHT * (num_tokens / seconds - self.tokens_per_s)
+
+    def _next_waiting(self) -> Sequence | None:
+        ready = (s for s in self.waiting if not s.is_held)
+        if self.shortest_prompt_first:
+            return min(ready, key=self.admission_key, default=None)
+        return next(ready, None)  # the waiting list is in (priority, arrival) order
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.fetching)
@@ -177,7 +204,7 @@ class Scheduler:
             and not out_of_memory
             and len(self.running) + len(self.fetching) < self.max_num_seqs
         ):
-            seq = next((s for s in self.waiting if not s.is_held), None)
+            seq = self._next_waiting()
             if seq is None:
                 break
             if seq.num_remote_tokens is not None:

@@ -1,5 +1,6 @@
 """The real default model: our greedy tokens equal HF transformers `generate` on the same GGUF weights, for prompts of
-many lengths, alone and all batched together with small prefill chunks, prefix caching on, and under preemption."""
+many lengths, alone and all batched together with small prefill chunks, prefix caching on, and under preemption
+(prompts started by arrival or shortest first)."""
 
 import pytest
 import torch
@@ -88,7 +89,8 @@ def test_batched_chunked_prefix_cached(llm, prompts, expected, alone):
     assert all(o.num_cached_tokens > 0 for o, p in zip(outs, prompts, strict=True) if len(p) > 16)
 
 
-def test_under_preemption(prompts, expected):
+@pytest.mark.parametrize("policy", ["fcfs", "shortest-prompt"])
+def test_under_preemption(prompts, expected, policy):
     small = LLM(
         default_model_path(),
         dtype="float32",
@@ -96,9 +98,11 @@ def test_under_preemption(prompts, expected):
         max_num_batched_tokens=64,
         max_num_seqs=8,
         num_kv_blocks=40,
+        scheduling_policy=policy,
     )
     outs = small.generate(prompts, greedy())
     assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.scheduler.shortest_prompt_first is (policy == "shortest-prompt")
     assert [o.new_token_ids for o in outs] == expected
     bm = small.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

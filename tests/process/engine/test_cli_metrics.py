@@ -83,6 +83,8 @@ def test_every_lever_switches_from_the_command_line():
     config = engine_config(parse_args(["--speculative-config", spec]))
     assert config.speculative == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=5)
     assert "ngram k=3 n=1..5" in config.speculative.describe()
+    assert default.scheduling_policy == "fcfs"
+    assert engine_config(parse_args(["--scheduling-policy", "shortest-prompt"])).scheduling_policy == "shortest-prompt"
 
 
 @pytest.mark.parametrize(
@@ -185,7 +187,7 @@ get_logger("tokenweir.gateway").info("from structlog", n=1)
     ready = by_event["engine ready"]
     assert ready["logger"] == "tokenweir.engine" and ready["level"] == "info" and "timestamp" in ready
     assert by_event["levers"]["event"] == (
-        "levers: prefix_caching=on, chunked_prefill=on (chunks of 1024), speculative=off, "
+        "levers: prefix_caching=on, chunked_prefill=on (chunks of 1024), scheduling_policy=fcfs, speculative=off, "
         "structured_outputs=per request, kv_transfer=off"
     )
     assert by_event["Application startup complete."]["logger"] == "uvicorn.error"

@@ -191,3 +191,58 @@ def test_drafts_are_dropped_when_the_budget_or_the_blocks_run_short():
     seq.draft_token_ids = [14, 15]  # positions 6..8: a third block, and there are two
     batch = scheduler.schedule()
     assert batch.decodes == [seq] and batch.verifies == [] and seq.draft_token_ids == []
+
+
+def start_order(scheduler: Scheduler, seqs: list[Sequence]) -> list[str]:
+    """The order in which the sequences' prompts first get a chunk, stepping until all have one."""
+    for seq in seqs:
+        scheduler.add(seq)
+    started: list[str] = []
+    while len(started) < len(seqs):
+        batch = scheduler.schedule()
+        started += [seq.request_id for seq, _ in batch.prefills if seq.request_id not in started]
+        scheduler.update(batch, {})
+    return started
+
+
+def prompt(rid: str, length: int, arrival: float, priority: int = 0) -> Sequence:
+    return Sequence(rid, list(range(3, 3 + length)), SamplingParams(max_tokens=4), priority, arrival)
+
+
+def burst(scheduler_kw: dict) -> list[str]:
+    scheduler = Scheduler(
+        BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64, eos_token_ids={EOS},
+        **scheduler_kw,
+    )  # fmt: skip
+    seqs = [prompt("a30", 30, 0.0), prompt("b5", 5, 0.001), prompt("c12", 12, 0.002), prompt("d8", 8, 0.003)]
+    return start_order(scheduler, seqs)
+
+
+def test_fcfs_starts_prompts_by_arrival_and_shortest_prompt_a_bursts_short_prompts_first():
+    assert burst({}) == ["a30", "b5", "c12", "d8"]
+    assert burst({"shortest_prompt_first": True}) == ["b5", "d8", "c12", "a30"]
+
+
+def test_shortest_prompt_passes_a_long_prompt_over_only_within_its_own_compute_time():
+    def order(short_arrival: float) -> list[str]:
+        scheduler = Scheduler(
+            BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64, eos_token_ids={EOS},
+            shortest_prompt_first=True,
+        )  # fmt: skip
+        scheduler.tokens_per_s = 100.0  # the long prompt's 40 tokens: 0.4 s
+        return start_order(scheduler, [prompt("long", 40, 0.0), prompt("short", 4, short_arrival)])
+
+    assert order(0.05) == ["short", "long"]  # done at 0.09 s against 0.4 s
+    assert order(0.5) == ["long", "short"]  # arrived after the long prompt would have been done: it waits
+
+
+def test_shortest_prompt_keeps_priorities_first_and_learns_the_engines_pace():
+    scheduler = Scheduler(
+        BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64, eos_token_ids={EOS},
+        shortest_prompt_first=True,
+    )  # fmt: skip
+    urgent, short = prompt("urgent-long", 30, 0.01, priority=-1), prompt("short", 4, 0.0)
+    assert start_order(scheduler, [short, urgent]) == ["urgent-long", "short"]
+    before = scheduler.tokens_per_s
+    scheduler.observe_step(512, 0.1)  # 5120 tokens/s
+    assert before < scheduler.tokens_per_s < 5120
