@@ -294,10 +294,11 @@ class LLMEngine:
                 self.kv_fetcher.wait(0.01)  # only fetches are under way: wait for one rather than spin
             return []
         sampled_token_ids, logprobs, failed = self.runner.run(batch)
-        if self.draft_budget is not None and not batch.prefills:
-            self.draft_budget.observe_step(batch.num_tokens, time.monotonic() - start)
+        ran_s = time.monotonic() - start
         if batch.prefills:
-            self.scheduler.observe_step(batch.num_tokens, time.monotonic() - start)
+            self.scheduler.observe_step(batch.num_tokens, ran_s)
+        elif self.draft_budget is not None:
+            self.draft_budget.observe_step(batch.num_tokens, ran_s)
         spec = self._record_drafts(batch, sampled_token_ids)
         stepped = self.scheduler.update(batch, sampled_token_ids, logprobs)
         outputs = []

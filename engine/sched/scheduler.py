@@ -50,6 +50,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    INITIAL_TOKENS_PER_S = 1000.0  # a CPU's prefill pace, until steps have been timed
+    PACE_WEIGHT = 0.2  # of the newest step in the learned pace
+
     def __init__(
         self,
         block_manager: BlockManager,
@@ -84,9 +87,6 @@ class Scheduler:
         self.pin: Callable[[Sequence], object] | None = None
         self.fetching: list[Sequence] = []
         self.new_fetches: list[Sequence] = []
-
-    INITIAL_TOKENS_PER_S = 1000.0  # a CPU's prefill pace, until steps have been timed
-    PACE_WEIGHT = 0.2  # of the newest step in the learned pace
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
