@@ -29,6 +29,14 @@
 #include <type_traits>
 #include <vector>
 
+// Activation rows multiplied per pass over a weight row. Each row keeps two accumulators beside the group's eight
+// weight vectors: AVX2's 16 vector registers hold three rows (a fourth spilled, and cost 2.5x a third), AVX-512's 32
+// hold eight.
+#if defined(__AVX512F__)
+static constexpr int TILE_M = 8;
+#else
+static constexpr int TILE_M = 3;
+#endif
 static constexpr int64_t QK = 32;       // values per block
 static constexpr int64_t GROUP = 8;     // blocks per interleaved group
 static constexpr int64_t NIBBLES = 16;  // nibble bytes per block
@@ -173,8 +181,8 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
   for (int r = 0; r < MT; ++r) y[r * N] = hsum(_mm256_add_ps(acc[r], macc[r])) + tail[r];
 }
 
-// Weights are streamed from memory once per call: with one or two activation rows the kernel outruns the hardware
-// prefetcher, so it asks for the rows a few ahead itself (as q8_linear).
+// Weights are streamed from memory once per call, and the hardware prefetcher alone falls behind at every row count
+// measured (1 to 16), so the kernel asks for the rows a few ahead itself (as q8_linear).
 static inline void prefetch_row(const uint8_t* w, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
 }
@@ -233,18 +241,23 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
 static inline void prefetch_row(const uint8_t*, int64_t) {}
 #endif
 
+// The last rows (fewer than TILE_M) of a weight row's pass.
+template <int R, int P>
+static inline void rows_rest(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs,
+                             int64_t rows, int64_t K, float* y, int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return row_dot<R, P>(w, B, xq, xd, xs, K, y, N);
+    rows_rest<R - 1, P>(w, B, xq, xd, xs, rows, K, y, N);
+  }
+}
+
 template <int P>
 static inline void rows_tile(const uint8_t* w, int64_t B, const int8_t* xq, const float* xd, const float* xs,
                              int64_t M, int64_t K, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) row_dot<4, P>(w, B, xq + m * P * K, xd + m * B, xs + m * B, K, y + m * N, N);
-  const int8_t* xr = xq + m * P * K;
-  switch (M - m) {
-    case 3: row_dot<3, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
-    case 2: row_dot<2, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
-    case 1: row_dot<1, P>(w, B, xr, xd + m * B, xs + m * B, K, y + m * N, N); break;
-    default: break;
-  }
+  for (; m + TILE_M <= M; m += TILE_M)
+    row_dot<TILE_M, P>(w, B, xq + m * P * K, xd + m * B, xs + m * B, K, y + m * N, N);
+  rows_rest<TILE_M - 1, P>(w, B, xq + m * P * K, xd + m * B, xs + m * B, M - m, K, y + m * N, N);
 }
 
 template <int P>
@@ -263,12 +276,15 @@ static torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = B * ROW_BYTES_PER_BLOCK;
   constexpr int64_t AHEAD = 8;  // rows
-  const bool prefetch = M < 4;
-  constexpr int64_t TILE_N = 16;  // weight rows whose nibbles (with a 4-row activation tile) stay in L1
+  constexpr int64_t TILE_N = 16;  // weight rows whose nibbles (with a TILE_M-row activation tile) stay in L1
+  // Up to 16 rows (decode batches, speculative verification) the activations stay in L2 while each weight row passes
+  // once; prefetching is needed at any row count on this path (without it a 4-row pass read the weights at a quarter
+  // of the bandwidth of a 1-row one).
+  constexpr int64_t DECODE_M = 16;
   at::parallel_for(0, N, TILE_N, [&](int64_t n0, int64_t n1) {
-    if (M <= 4) {  // decode: one pass over the weights
+    if (M <= DECODE_M) {  // one pass over the weights
       for (int64_t n = n0; n < n1; ++n) {
-        if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
+        if (n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * row_bytes, row_bytes);
         rows_tile<P>(wp + n * row_bytes, B, xq.data(), xd.data(), xs.data(), M, K, yp + n, N);
       }
       return;
@@ -277,8 +293,8 @@ static torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
     // weight row streaming all M activation rows (up to 1.5 MiB with two planes) through the caches.
     for (int64_t nt = n0; nt < n1; nt += TILE_N) {
       const int64_t nend = std::min(nt + TILE_N, n1);
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
+      for (int64_t m = 0; m < M; m += TILE_M) {
+        const int64_t rows = std::min<int64_t>(TILE_M, M - m);
         for (int64_t n = nt; n < nend; ++n)
           rows_tile<P>(wp + n * row_bytes, B, xq.data() + m * P * K, xd.data() + m * B, xs.data() + m * B, rows, K,
                        yp + m * N + n, N);

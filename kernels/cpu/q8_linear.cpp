@@ -102,8 +102,10 @@ static inline void tile_dot(const int8_t* w, const float* wd, const int8_t* xq, 
   }
 }
 
-// Weights are streamed from memory once per call (a decode step reads ~144 MiB, far more than the caches): with one
-// or two activation rows the kernel outruns the hardware prefetcher, so it asks for the rows a few ahead itself.
+// Weights are streamed from memory once per call (a decode step reads ~144 MiB, far more than the caches), and the
+// hardware prefetcher alone falls behind at any row count: the kernel asks for the rows a few ahead itself. (Leaving
+// it to the hardware from 4 rows up made the tied lm_head's 4-row pass 4x slower than its 3-row one on an Intel Xeon:
+// speculative decoding's verification steps.)
 static inline void prefetch_row(const int8_t* w, const float* wd, int64_t K) {
   for (int64_t b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + b), _MM_HINT_T0);
   for (int64_t b = 0; b < K / QK * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wd) + b, _MM_HINT_T0);
@@ -195,10 +197,9 @@ static torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scal
   // One weight row at a time: tiles of several weight rows (to share each activation load) read the weights in an
   // order the hardware prefetcher followed worse, and were slower on a decode step's cold weights.
   constexpr int64_t AHEAD = 8;  // rows; measured flat from 4 to 32 on an AVX2 EPYC
-  const bool prefetch = M < 4;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      if (prefetch && n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * K, sp + (n + AHEAD) * groups, K);
+      if (n + AHEAD < n1) prefetch_row(wp + (n + AHEAD) * K, sp + (n + AHEAD) * groups, K);
       rows_tile<P>(wp + n * K, sp + n * groups, qp, dp, M, K, yp + n, N);
     }
   });

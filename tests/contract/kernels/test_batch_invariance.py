@@ -1,5 +1,6 @@
 """The small-M GEMM kernels and paged decode attention give each row bit for bit the same output whatever rows share
-its call: alone, in a tile of 2, 3 or 4, after a remainder, beside rows of other context lengths. Speculative decoding
+its call: alone, in a tile of any size the kernels use (2 to 8 rows), after a remainder, on the Q4_1 kernel's
+one-pass path (up to 16 rows) and its tiled path above, beside rows of other context lengths. Speculative decoding
 checks its drafts as extra rows of a decode step and keeps a draft only where the model's greedy token equals it, so
 a row whose logits moved with the batch's shape would change the output: greedy output with speculation would differ
 from plain decoding at near ties."""
@@ -41,9 +42,9 @@ def test_a_row_is_the_same_alone_and_in_any_batch(kernel, k):
         def run(x):
             return int8_linear(x, q, scales) if kernel == "int8" else q8_linear(x, q, scales, planes)
 
-    x = torch.randn(9, k, generator=g)
-    alone = torch.cat([run(x[i : i + 1]) for i in range(9)])
-    for m in range(2, 10):
+    x = torch.randn(19, k, generator=g)
+    alone = torch.cat([run(x[i : i + 1]) for i in range(19)])
+    for m in range(2, 20):
         assert torch.equal(run(x[:m]), alone[:m]), f"{kernel}: rows differ in a call of {m} rows"
 
 
