@@ -32,8 +32,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from loadtests import llama_server  # noqa: E402
 from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
-OURS_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
-OURS_SPEC_EVERY_DRAFT = OURS_SPEC[:-1] + ', "cost_aware": false}'  # the raw lever: no draft budget
+
+def ours_spec(k: int, cost_aware: bool = True) -> str:
+    """Prompt lookup with up to k drafts; cost_aware=False: the raw lever, without the draft budget."""
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return orjson.dumps(config if cost_aware else {**config, "cost_aware": False}).decode()
+
+
 # prompt lookup as ours: the draft follows the last occurrence of the last 4 tokens (its defaults, 12 and 48, are for
 # long verbatim repeats and matched nothing in these short answers)
 LLAMA_SPEC = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "16"]
@@ -211,13 +216,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--num-speculative-tokens", "-k", type=int, nargs="+", default=[4, 8], help="a row of ours per k")
     ap.add_argument("--plot", default="")
     args = ap.parse_args()
     path = args.model or default_model_path()
+    ks = args.num_speculative_tokens
     rows: list[tuple[str, dict]] = [
         ("ours, plain", measure_ours(path, args.threads, None, args.max_tokens)),
-        ("ours, ngram k=4", measure_ours(path, args.threads, OURS_SPEC, args.max_tokens)),
-        ("ours, ngram k=4, every draft", measure_ours(path, args.threads, OURS_SPEC_EVERY_DRAFT, args.max_tokens)),
+        *[(f"ours, ngram k={k}", measure_ours(path, args.threads, ours_spec(k), args.max_tokens)) for k in ks],
+        (
+            f"ours, ngram k={ks[0]}, every draft",
+            measure_ours(path, args.threads, ours_spec(ks[0], False), args.max_tokens),
+        ),
     ]
     if not args.skip_llama:
         for name, extra in (("llama-server, plain", []), ("llama-server, ngram-simple", LLAMA_SPEC)):

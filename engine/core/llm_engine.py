@@ -392,11 +392,9 @@ class LLMEngine:
         assert self.proposer is not None
         running = self.scheduler.running
         limit = self.proposer.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
-            return
         requests: list[tuple[Sequence, int]] = []
         decoding = 0
-        for seq in running:
+        for seq in running if limit is None or len(running) <= limit else []:
             # one token to compute, not of the prompt (a prompt's last token is a prefill row, never a verify row)
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.is_prefilling:
                 continue
@@ -422,15 +420,18 @@ class LLMEngine:
             return None
         stats = SpecDecodingStats(self.proposer.config.num_speculative_tokens)
         for seq, _ in batch.scheduled():
+            emitted = sampled.get(seq.request_id)
+            if emitted is None:
+                continue
+            if self.draft_budget is not None:  # also scores a draft it held back
+                self.draft_budget.record(seq, emitted)
             drafts = seq.draft_token_ids
-            if drafts and seq.request_id in sampled:
-                accepted = len(sampled[seq.request_id]) - 1
+            if drafts:
+                accepted = len(emitted) - 1
                 stats.observe(len(drafts), accepted)
                 seq.num_draft_tokens += len(drafts)
                 seq.num_accepted_tokens += accepted
                 self.proposer.record(seq, len(drafts), accepted)
-                if self.draft_budget is not None:
-                    self.draft_budget.record(seq, len(drafts), accepted)
         return stats
 
 

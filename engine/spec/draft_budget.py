@@ -10,11 +10,13 @@ kept, best first, while a draft's expected tokens per second of its row beat the
 A workload whose drafts are rarely right (open chat) so decodes as without the lever, one whose drafts are right
 (copying) checks as many as pay.
 
-`alpha` is estimated per sequence from its recent verifications (accepted drafts / (accepted + first refusals)),
-starting from, and drifting back to while it drafts nothing, the engine's pooled estimate over recent sequences
-(which itself drifts back to its start while nothing is checked): a sequence that stopped drafting tries again once
-its record has faded, so a copy that starts late is found. Only the target's rows are counted: a draft model's own
-forwards are spent before the budget is asked.
+`alpha` is estimated per sequence from its recent trials (accepted drafts / (accepted + first refusals)), starting
+from the engine's pooled estimate over recent sequences. A draft held back is scored too, for free: where the step
+reaches its position (every checked draft accepted), the token the step emits there is what the draft had to be, and
+the chance that they are equal is the chance that a check would have accepted it (p(draft), greedy or sampled). So a
+sequence that stopped drafting in a stretch of new text takes its drafts back once its output copies again (measured
+on a 2-core Intel Xeon: a fading record instead kept a code-editing answer from drafting for its whole copied
+function). Only the target's rows are counted: a draft model's own forwards are spent before the budget is asked.
 """
 
 from __future__ import annotations
@@ -27,24 +29,24 @@ from tokenweir.engine.sched.sequence import Sequence
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0  # decayed counts of this sequence's recent verifications
+    accepted: float = 0.0  # decayed counts of this sequence's recent trials
     trials: float = 0.0
 
 
 class DraftBudget:
     PRIOR_ROW_SHARE = 0.25  # before two row counts are measured, an extra row costs this share of a one-row step
     BUCKET_MEMORY = 20  # a row count's mean step time follows its last ~20 steps (a rare count keeps its own)
-    SEQ_DECAY = 0.8  # weight of a sequence's verification per later one
-    IDLE_DECAY = 0.97  # ... per step it drafts nothing, back towards the pooled estimate
+    SEQ_DECAY = 0.8  # weight of a sequence's trial per later one
     PRIOR_TRIALS = 2.0  # the pooled estimate's weight in a sequence's
     POOLED_START = 0.6
-    POOLED_RATE = 0.05  # the pooled estimate's step towards each verification's outcome
-    POOLED_IDLE_RATE = 0.01  # ... and towards its start per sequence held back (probes on open chat are rare)
+    POOLED_RATE = 0.05  # the pooled estimate's step towards each step's outcome
 
     def __init__(self) -> None:
         self._buckets: dict[int, list[float]] = {}  # rows -> [steps counted (capped), their mean seconds]
         self.pooled = self.POOLED_START
         self._sequences: weakref.WeakKeyDictionary[Sequence, _Acceptance] = weakref.WeakKeyDictionary()
+        # this step's proposals: sequence -> (drafts kept, the first draft held back or None)
+        self._proposed: dict[Sequence, tuple[list[int], int | None]] = {}
 
     # --- what it learns ---------------------------------------------------------------------------------------------
 
@@ -54,10 +56,22 @@ class DraftBudget:
         bucket[0] = min(bucket[0] + 1, self.BUCKET_MEMORY)
         bucket[1] += (seconds - bucket[1]) / bucket[0]
 
-    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """One verification: `accepted` of `proposed` drafts were kept (the first refused one ends the run)."""
+    def record(self, seq: Sequence, emitted: list[int]) -> None:
+        """The step `seq` was proposed for emitted `emitted` for it: its checked drafts the model agreed with, then
+        the model's own token. Scores the checked drafts, and the first held-back one where the step reached it."""
+        proposed = self._proposed.pop(seq, None)
+        if proposed is None or not emitted:
+            return
+        kept, held = proposed
+        accepted = len(emitted) - 1
+        assert emitted[:accepted] == kept[:accepted]
+        trials = accepted + (1 if accepted < len(kept) else 0)
+        if accepted == len(kept) and held is not None:
+            trials += 1
+            accepted += emitted[-1] == held
+        if trials == 0:
+            return
         record = self._sequences.setdefault(seq, _Acceptance())
-        trials = accepted + (1 if accepted < proposed else 0)
         record.accepted = record.accepted * self.SEQ_DECAY + accepted
         record.trials = record.trials * self.SEQ_DECAY + trials
         self.pooled += self.POOLED_RATE * (accepted / trials - self.pooled)
@@ -90,6 +104,7 @@ class DraftBudget:
         """Each proposal's drafts cut to those that pay, in a step of `decoding` one-token rows before drafts."""
         cost = self.step_cost()
         if cost is None or cost[1] == 0:  # nothing measured yet, or rows are free here: check them all
+            self._remember(proposals, [drafts for _, drafts in proposals])
             return [drafts for _, drafts in proposals]
         fixed, per_row = cost
         candidates = []
@@ -105,11 +120,13 @@ class DraftBudget:
             assert position == kept[i] + 1  # alpha < 1: a sequence's gains fall with position, so they come in order
             kept[i] = position
             tokens, seconds = tokens + gain, seconds + per_row
-        for (seq, drafts), count in zip(proposals, kept, strict=True):
-            if count == 0 and drafts:  # held back: it fades towards the pooled estimate, which fades to its start
-                self.pooled += self.POOLED_IDLE_RATE * (self.POOLED_START - self.pooled)
-                record = self._sequences.get(seq)
-                if record is not None:
-                    record.accepted *= self.IDLE_DECAY
-                    record.trials *= self.IDLE_DECAY
-        return [drafts[:count] for (_, drafts), count in zip(proposals, kept, strict=True)]
+        trimmed = [drafts[:count] for (_, drafts), count in zip(proposals, kept, strict=True)]
+        self._remember(proposals, trimmed)
+        return trimmed
+
+    def _remember(self, proposals: list[tuple[Sequence, list[int]]], kept: list[list[int]]) -> None:
+        self._proposed = {
+            seq: (checked, drafts[len(checked)] if len(checked) < len(drafts) else None)
+            for (seq, drafts), checked in zip(proposals, kept, strict=True)
+            if drafts
+        }
