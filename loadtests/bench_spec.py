@@ -1,16 +1,18 @@
-"""The speculative-decoding lever at batch 1, ours and llama-server's, each off and on, one server at a time:
+"""The speculative-decoding lever at batch 1, ours and llama-server's, each off and on, one request at a time:
 
     .venv/bin/python loadtests/bench_spec.py --plot loadtests/results/bench_spec.png
     .venv/bin/python loadtests/bench_spec.py --skip-llama --max-tokens 96     # ours only, shorter
 
-Two workloads of chat requests (greedy, one at a time): `copying`, what prompt lookup is for (code edits, JSON
-extraction, quoting, fixing a text: the answer repeats the prompt), and `open`, what it is not for (stories and
-explanations). Per request: decode tok/s = (completion tokens - 1) / (last chunk - first chunk) of its stream; per
-row and workload the median over the requests, and the drafts' acceptance (ours from /metrics, llama-server's from
-its final `timings`). Rows: our engine (`auto`) without and with `--speculative-config` ngram, llama-server without
-and with `--spec-type ngram-simple` (built once, see loadtests/llama_server.py), the same GGUF, the same threads;
-and ours checking every draft (`"cost_aware": false`), the lever without the draft budget that keeps only the
-drafts that pay for their rows on this device (engine/spec/draft_budget.py).
+Two workloads of chat requests (greedy): `copying`, what prompt lookup is for (code edits, JSON extraction,
+quoting, fixing a text: the answer repeats the prompt), and `open`, what it is not for (stories and explanations).
+Per request: decode tok/s = (completion tokens - 1) / (last chunk - first chunk) of its stream; per row and workload
+the median over the requests, and the drafts' acceptance (ours from /metrics, llama-server's from its final
+`timings`). Every row's server is up for the whole run and they answer each prompt in turn, so a drift of the
+machine's speed falls on every row alike. Rows: our engine (`auto`) without and with `--speculative-config` ngram
+(one row per -k), llama-server without and with `--spec-type ngram-simple` (built once, see
+loadtests/llama_server.py), the same GGUF, the same threads; and ours checking every draft (`"cost_aware": false`),
+the lever without the draft budget that keeps only the drafts that pay for their rows on this device
+(engine/spec/draft_budget.py).
 The table gives each row's speed and its ratio to our plain decoding on the same workload; the targets: copying
 >= 1.5x and >= llama-server's speculative speed, open >= 1.0x (the switch keeps a lever that does not pay off).
 """
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -125,28 +128,44 @@ def spec_counters(url: str) -> tuple[float, float]:
     return values["draft"], values["accepted"]
 
 
-def run_row(url: str, ours: bool, max_tokens: int, label: str) -> dict:
-    model = llama_server_model(url)
-    stream_chat(url, model, "Hello", 8)  # warm-up
-    row = {}
+@dataclass
+class Server:
+    label: str
+    url: str
+    ours: bool
+    proc: subprocess.Popen
+    model: str = ""
+
+
+def run_interleaved(servers: list[Server], max_tokens: int) -> list[tuple[str, dict]]:
+    """Every server answers each prompt in turn before the next prompt, so a drift of this shared machine's speed
+    (1.5-2x between hours here) falls on every row alike instead of on whichever row ran during it."""
+    for server in servers:
+        server.model = llama_server_model(server.url)
+        stream_chat(server.url, server.model, "Hello", 8)  # warm-up
+    rows: dict[str, dict] = {server.label: {} for server in servers}
     for workload, prompts in WORKLOADS.items():
-        before = spec_counters(url) if ours else (0.0, 0.0)
-        results = []
+        before = {s.label: spec_counters(s.url) for s in servers if s.ours}
+        results: dict[str, list[dict]] = {server.label: [] for server in servers}
         for i, prompt in enumerate(prompts):
-            results.append(stream_chat(url, model, prompt, max_tokens))
-            print(f"  [{label}] {workload} {i + 1}/{len(prompts)}: {results[-1]['tok_s']:.1f} tok/s", flush=True)
-        if ours:
-            after = spec_counters(url)
-            drafted, accepted = after[0] - before[0], after[1] - before[1]
-        else:
-            drafted = sum(r["timings"].get("draft_n", 0) for r in results)
-            accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in results)
-        row[workload] = {
-            "tok_s": statistics.median(r["tok_s"] for r in results),
-            "tokens": sum(r["tokens"] for r in results),
-            "acceptance": accepted / drafted if drafted else None,
-        }
-    return row
+            for server in servers:
+                result = stream_chat(server.url, server.model, prompt, max_tokens)
+                results[server.label].append(result)
+                print(f"  [{server.label}] {workload} {i + 1}/{len(prompts)}: {result['tok_s']:.1f} tok/s", flush=True)
+        for server in servers:
+            answered = results[server.label]
+            if server.ours:
+                after = spec_counters(server.url)
+                drafted, accepted = after[0] - before[server.label][0], after[1] - before[server.label][1]
+            else:
+                drafted = sum(r["timings"].get("draft_n", 0) for r in answered)
+                accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in answered)
+            rows[server.label][workload] = {
+                "tok_s": statistics.median(r["tok_s"] for r in answered),
+                "tokens": sum(r["tokens"] for r in answered),
+                "acceptance": accepted / drafted if drafted else None,
+            }
+    return list(rows.items())
 
 
 def llama_server_model(url: str) -> str:
@@ -154,7 +173,7 @@ def llama_server_model(url: str) -> str:
         return orjson.loads(r.read())["data"][0]["id"]
 
 
-def measure_ours(path: str, threads: int, spec: str | None, max_tokens: int) -> dict:
+def start_ours(label: str, path: str, threads: int, spec: str | None) -> Server:
     port = llama_server.free_port()
     cmd = [sys.executable, "-m", "tokenweir.engine.server", "--model", path, "--port", str(port),
            "--num-threads", str(threads), "--max-num-seqs", "4", "--log-level", "info",
@@ -162,16 +181,16 @@ def measure_ours(path: str, threads: int, spec: str | None, max_tokens: int) -> 
     log_path = f"/tmp/tokenweir-bench-spec-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         llama_server.wait_healthy(proc, url, 600)
-        return run_row(url, True, max_tokens, "ours" + (" ngram" if spec else ""))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    except BaseException:
+        stop(proc)
+        raise
+    return Server(label, url, True, proc)
 
 
-def measure_llama(path: str, threads: int, extra: list[str], max_tokens: int) -> dict | None:
+def start_llama(label: str, path: str, threads: int, extra: list[str]) -> Server | None:
     binary = llama_server.build()
     if binary is None:
         return None
@@ -180,11 +199,16 @@ def measure_llama(path: str, threads: int, extra: list[str], max_tokens: int) ->
     except RuntimeError as exc:  # e.g. a flag this llama.cpp does not take: its log says which
         print(f"llama-server {' '.join(extra)}: no row, {exc}", flush=True)
         return None
+    return Server(label, url, False, proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        return run_row(url, False, max_tokens, "llama-server" + (" ngram" if extra else ""))
-    finally:
-        proc.terminate()
         proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def plot(rows: list[tuple[str, dict]], path: str) -> None:
@@ -221,19 +245,20 @@ def main() -> None:
     args = ap.parse_args()
     path = args.model or default_model_path()
     ks = args.num_speculative_tokens
-    rows: list[tuple[str, dict]] = [
-        ("ours, plain", measure_ours(path, args.threads, None, args.max_tokens)),
-        *[(f"ours, ngram k={k}", measure_ours(path, args.threads, ours_spec(k), args.max_tokens)) for k in ks],
-        (
-            f"ours, ngram k={ks[0]}, every draft",
-            measure_ours(path, args.threads, ours_spec(ks[0], False), args.max_tokens),
-        ),
-    ]
-    if not args.skip_llama:
-        for name, extra in (("llama-server, plain", []), ("llama-server, ngram-simple", LLAMA_SPEC)):
-            row = measure_llama(path, args.threads, extra, args.max_tokens)
-            if row is not None:
-                rows.append((name, row))
+    servers: list[Server] = []
+    try:  # all up at once (an idle server takes no CPU), asked in turn
+        servers.append(start_ours("ours, plain", path, args.threads, None))
+        for k in ks:
+            servers.append(start_ours(f"ours, ngram k={k}", path, args.threads, ours_spec(k)))
+        servers.append(start_ours(f"ours, ngram k={ks[0]}, every draft", path, args.threads, ours_spec(ks[0], False)))
+        if not args.skip_llama:
+            for name, extra in (("llama-server, plain", []), ("llama-server, ngram-simple", LLAMA_SPEC)):
+                if (server := start_llama(name, path, args.threads, extra)) is not None:
+                    servers.append(server)
+        rows = run_interleaved(servers, args.max_tokens)
+    finally:
+        for server in servers:
+            stop(server.proc)
     base = rows[0][1]
     print(f"\nthreads {args.threads}, max_tokens {args.max_tokens}, greedy, batch 1")
     print("| row | " + " | ".join(f"{w} tok/s | vs ours plain | acceptance" for w in WORKLOADS) + " |")
