@@ -394,6 +394,7 @@ class LLMEngine:
         limit = self.proposer.config.disable_by_batch_size
         requests: list[tuple[Sequence, int]] = []
         decoding = 0
+        # above the switch no sequence asks, but the budget still hears of the empty step (it scores only this one's)
         for seq in running if limit is None or len(running) <= limit else []:
             # one token to compute, not of the prompt (a prompt's last token is a prefill row, never a verify row)
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.is_prefilling:

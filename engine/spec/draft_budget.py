@@ -104,8 +104,9 @@ class DraftBudget:
         """Each proposal's drafts cut to those that pay, in a step of `decoding` one-token rows before drafts."""
         cost = self.step_cost()
         if cost is None or cost[1] == 0:  # nothing measured yet, or rows are free here: check them all
-            self._remember(proposals, [drafts for _, drafts in proposals])
-            return [drafts for _, drafts in proposals]
+            everything = [drafts for _, drafts in proposals]
+            self._remember(proposals, everything)
+            return everything
         fixed, per_row = cost
         candidates = []
         for i, (seq, drafts) in enumerate(proposals):

@@ -278,8 +278,7 @@ static torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
   constexpr int64_t AHEAD = 8;  // rows
   constexpr int64_t TILE_N = 16;  // weight rows whose nibbles (with a TILE_M-row activation tile) stay in L1
   // Up to 16 rows (decode batches, speculative verification) the activations stay in L2 while each weight row passes
-  // once; prefetching is needed at any row count on this path (without it a 4-row pass read the weights at a quarter
-  // of the bandwidth of a 1-row one).
+  // once.
   constexpr int64_t DECODE_M = 16;
   at::parallel_for(0, N, TILE_N, [&](int64_t n0, int64_t n1) {
     if (M <= DECODE_M) {  // one pass over the weights
