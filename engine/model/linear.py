@@ -123,16 +123,22 @@ class Int8Linear:
 class Q4Linear:
     """The GGUF's Q4_1 blocks, repacked for the kernel but not rounded again (kernels/cpu/q4_linear.cpp). Batches of
     up to `small_m` rows run the Q4_1 x Q8_1 kernel (activations rounded, as llama.cpp does for every batch); bigger
-    ones (prefill chunks) dequantize the weight to `prefill_dtype` for that call and multiply dense: in bfloat16 on a
-    CPU with native bf16 (2-2.3x the two-plane kernel at 128-512 rows on an AVX-512 EPYC), else in float32 as
-    Int8Linear does. Other activation dtypes are widened. planes=2 (`gguf-a16`): the activations' rounding error in a
-    second int8 plane."""
+    ones (prefill chunks) go by `prefill_dtype`: torch.int8 runs them through the prefill kernel
+    (kernels/cpu/q4_prefill.cpp: activations rounded to Q8_1 as llama.cpp does, ~1.7x float32 GEMM on AVX2 without
+    VNNI); bfloat16 or float32 dequantize the weight to it for that call and multiply dense (bfloat16 on a CPU with
+    native bf16: 2-2.3x the two-plane kernel at 128-512 rows on an AVX-512 EPYC). Other activation dtypes are widened.
+    planes=2 (`gguf-a16`): the activations' rounding error in a second int8 plane (decode batches)."""
 
     __slots__ = ("packed", "in_features", "planes", "prefill_dtype", "small_m")
     # One plane beat dequantize + float32 MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
     # SmolLM2's shapes, AMD EPYC), where the measurements stopped. Two planes cost twice the integer dots:
     # float32 MKL wins from about 256 rows, and bfloat16 (dequantized for the call) from 64-128.
-    SMALL_M = {(1, torch.float32): 512, (1, torch.bfloat16): 512, (2, torch.float32): 128, (2, torch.bfloat16): 64}
+    # The prefill kernel computes one plane's maths at any M, faster from a few rows; two planes keep decode batches
+    # up to float32's threshold, so a batch of decodes keeps its precision whatever the prefill path.
+    SMALL_M = {
+        (1, torch.float32): 512, (1, torch.bfloat16): 512, (1, torch.int8): 16,
+        (2, torch.float32): 128, (2, torch.bfloat16): 64, (2, torch.int8): 128,
+    }  # fmt: skip
 
     def __init__(self, blocks: GGUFBlocks, planes: int = 1, prefill_dtype: torch.dtype = torch.float32) -> None:
         assert blocks.kind == "Q4_1" and planes in (1, 2)
@@ -143,6 +149,8 @@ class Q4Linear:
         dtype = x.dtype
         if x.shape[0] <= self.small_m:
             return cpu_ops.q4_1_linear(x.float(), self.packed, self.planes).to(dtype)
+        if self.prefill_dtype == torch.int8:
+            return cpu_ops.q4_1_prefill(x.float(), self.packed).to(dtype)
         weight = cpu_ops.q4_1_dequantize(self.packed, self.in_features, self.prefill_dtype)
         return (x.to(self.prefill_dtype) @ weight.t()).to(dtype)
 

@@ -142,7 +142,8 @@ class LlamaForCausalLM:
         prefill_dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
     ) -> None:
-        """prefill_dtype: the dense GEMMs' dtype for prefill chunks of the GGUF's own blocks (gguf modes);
+        """prefill_dtype: how prefill chunks of the GGUF's own blocks multiply (gguf modes): dense GEMMs in float32 or
+        bfloat16, or torch.int8 for the int8 prefill kernel;
         batch_invariant: with the Triton attention backend (CUDA), kernels that give a row the same output in any
         batch (projections, norms, decode rows through the prefill attention kernel), so speculative decoding's
         verification rows equal plain decoding's rows."""

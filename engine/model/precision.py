@@ -9,7 +9,9 @@ their own blocks with the activations in two int8 planes (`gguf-a16`: on SmolLM2
 faster still but agrees on 96.1% of tokens, and answers "What is the capital of France?" as llama.cpp does, wrongly).
 Their prefill chunks, compute-bound, are dense GEMMs on the blocks dequantized for the call: bfloat16 where the CPU has
 native bf16 and a probe at a chunk's shape confirms it (2.5x float32 on an AVX-512 EPYC), and then their attention
-takes bfloat16 dot products too (1.5x; with both, top-1 agreement 99.0%).
+takes bfloat16 dot products too (1.5x; with both, top-1 agreement 99.0%). Without native bf16 (the AVX2 class) they
+run through the int8 prefill kernel where its probe beats float32 GEMM (~1.7x on an AVX2-only EPYC): the prompt's
+activations rounded to Q8_1 as llama.cpp rounds them, while decode batches keep their two planes.
 CUDA keeps bf16 and dense weights. Every decision is logged with the probe's numbers so a slow start is explainable.
 """
 
@@ -23,7 +25,8 @@ from functools import cache
 
 import torch
 
-from tokenweir.engine.model.linear import GGUF_MODES, make_linear
+from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
+from tokenweir.engine.model.linear import GGUF_MODES, Q4Linear, make_linear
 from tokenweir.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger("tokenweir.engine")
@@ -144,11 +147,26 @@ def resolve(
 
 
 def _prefill_dtype(shape: tuple[int, int]) -> tuple[torch.dtype, str]:
-    """The dense GEMM's dtype for prefill chunks of the GGUF's own blocks: compute-bound, so bfloat16 where the CPU
-    has native bf16 and a probe at a chunk's shape (256 rows, weights hot) confirms it."""
+    """How prefill chunks of the GGUF's own blocks multiply, compute-bound: bfloat16 GEMMs where the CPU has native
+    bf16 and a probe at a chunk's shape (256 rows, weights hot) confirms it; else the int8 prefill kernel where its
+    probe beats float32 GEMM (the AVX2 class: 8-bit products at twice the FMA rate; llama.cpp's numerics for prompts,
+    decode batches keep theirs)."""
     if not has_native_bf16():
-        return torch.float32, "prefill chunks in float32 (no native bf16)"
+        return _int8_or_float32_prefill(shape)
     weights = [torch.randn(shape[1], shape[0]) * 0.05]
     f32, bf16 = _probe(torch.float32, "none", 256, weights), _probe(torch.bfloat16, "none", 256, weights)
     chosen = torch.bfloat16 if bf16 * 1.2 < f32 else torch.float32
     return chosen, f"prefill chunks in {chosen} (probe 256x{shape[0]}x{shape[1]}: bf16 {bf16:.3f} ms, f32 {f32:.3f} ms)"
+
+
+def _int8_or_float32_prefill(shape: tuple[int, int]) -> tuple[torch.dtype, str]:
+    rows, blocks = shape[1], shape[0] // QK
+    raw = torch.randint(0, 256, (rows, blocks, BLOCK_BYTES["Q4_1"]), dtype=torch.uint8)
+    raw[..., 0:4] = torch.tensor([0.01, 0.01], dtype=torch.float16).view(torch.uint8)  # d and m of every block
+    layer = Q4Linear(GGUFBlocks("Q4_1", raw.reshape(rows, -1)), planes=2)  # float32 prefill: dequantize + GEMM
+    x = torch.randn(256, shape[0])
+    f32 = _ms_per_call(lambda: layer(x))
+    int8 = _ms_per_call(lambda: cpu_ops.q4_1_prefill(x, layer.packed))
+    chosen = torch.int8 if int8 * 1.2 < f32 else torch.float32
+    name = "int8 (activations rounded to Q8_1)" if chosen == torch.int8 else "float32"
+    return chosen, f"prefill chunks in {name} (probe 256x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, f32 {f32:.3f} ms)"

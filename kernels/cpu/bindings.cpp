@@ -6,6 +6,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
 std::tuple<torch::Tensor, torch::Tensor> q8_quantize(torch::Tensor x);
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w, int64_t planes);
 torch::Tensor q4_1_dequantize(torch::Tensor w, int64_t K, bool bf16);
+torch::Tensor q4_1_prefill(torch::Tensor x, torch::Tensor w);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -25,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, nogil, "y = q8(x) . dequant(w).T: x in 1 or 2 int8 planes per 32, integer dots");
   m.def("q8_quantize", &q8_quantize, nogil, "rows to int8 with one float32 scale per 32 values (llama.cpp's Q8_0)");
   m.def("q4_1_linear", &q4_1_linear, nogil, "y = q8_1(x) . w^T, w packed Q4_1 rows; x in 1 (llama.cpp) or 2 planes");
+  m.def("q4_1_prefill", &q4_1_prefill, nogil, "q4_1_linear's maths (one plane) for prefill chunks: many rows");
   m.def("q4_1_dequantize", &q4_1_dequantize, nogil, "packed Q4_1 rows [N, K / 32 * 20] -> float32 or bfloat16 [N, K]");
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one query token per sequence over its paged context");

@@ -86,6 +86,15 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, planes: int = 1) -> torch
     return module.q4_1_linear(x, packed, planes)
 
 
+def q4_1_prefill(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """q4_1_linear(x, packed) with one plane, for prefill chunks (many rows): the same maths, laid out so that
+    8-bit products run at about twice float32 GEMM's speed on a CPU without VNNI or native bf16
+    (kernels/cpu/q4_prefill.cpp). Equal to q4_1_linear to float rounding, not bit for bit."""
+    module = load()
+    assert module is not None, "the CPU kernels could not be built on this machine"
+    return module.q4_1_prefill(x, packed)
+
+
 def q4_1_dequantize(packed: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """packed Q4_1 rows [N, K / 32 * 20] uint8 -> [N, K] float32 (d * q + m, the file's weights exactly) or bfloat16
     (those rounded to nearest even)."""

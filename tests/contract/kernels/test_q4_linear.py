@@ -2,7 +2,8 @@
 gguf.quants.dequantize; the kernel equals a torch reference of llama.cpp's maths (activations rounded per 32 values
 to Q8_1, integer dots with the 4-bit weights, d * dx * dot + m * s per block) to float rounding, on SmolLM2's own
 blocks and shapes, for M of 1 to 64 and for K of full interleaved groups, tail blocks or both; the dequantize path
-equals the file's weights exactly; Q4Linear's decode and prefill paths agree."""
+equals the file's weights exactly; Q4Linear's decode and prefill paths agree. The int8 prefill kernel
+(kernels/cpu/q4_prefill.cpp) equals the same reference, on the model's blocks and on every panel and tile tail."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from gguf.quants import dequantize, quantize
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.model.gguf_blocks import GGUFBlocks, dequantize_q4_1, pack_q4_1, q4_1_fields, q8_0_fields
 from tokenweir.engine.model.linear import DenseLinear, Int8Linear, Q4Linear, make_linear
-from tokenweir.kernels.cpu.ops import q4_1_dequantize, q4_1_linear
+from tokenweir.kernels.cpu.ops import q4_1_dequantize, q4_1_linear, q4_1_prefill
 
 # (GGUF tensor, K, N): the model's projection shapes; qkv and gate_up are these rows concatenated
 MODEL_TENSORS = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.3.ffn_gate.weight", "blk.3.ffn_down.weight"]
@@ -60,9 +61,9 @@ def q4_1_linear_reference(x: torch.Tensor, data: torch.Tensor) -> tuple[torch.Te
     return (scaled + offsets).sum(2), (scaled.abs() + offsets.abs()).sum(2)
 
 
-def assert_kernel_matches(x: torch.Tensor, data: torch.Tensor) -> None:
+def assert_kernel_matches(x: torch.Tensor, data: torch.Tensor, kernel=q4_1_linear) -> None:
     want, magnitude = q4_1_linear_reference(x, data)
-    error = (q4_1_linear(x, pack_q4_1(data)).double() - want).abs()
+    error = (kernel(x, pack_q4_1(data)).double() - want).abs()
     assert (error <= 1e-5 * magnitude + 1e-12).all(), error.max()
 
 
@@ -100,6 +101,24 @@ def test_kernel_equals_llama_cpp_maths_on_every_block_layout(k, m):
     assert_kernel_matches(x, random_q4_1(37, k, seed=k))
 
 
+@pytest.mark.parametrize("name", MODEL_TENSORS)
+def test_prefill_kernel_equals_llama_cpp_maths_on_the_models_blocks(reader, name):
+    data, weight = file_blocks(reader, name)
+    x = torch.randn(70, weight.shape[1], generator=torch.Generator().manual_seed(7))
+    x[0, 5] = 40.0
+    assert_kernel_matches(x, data, q4_1_prefill)
+
+
+# N: 37 leaves a last panel of 5 columns; M across the 4-row tiles and their tails
+@pytest.mark.parametrize("k", [96, 256, 608])
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 70])
+def test_prefill_kernel_equals_llama_cpp_maths_on_every_block_layout(k, m):
+    g = torch.Generator().manual_seed(k * m)
+    x = torch.randn(m, k, generator=g)
+    x[-1, 32:64] = 0
+    assert_kernel_matches(x, random_q4_1(37, k, seed=k + 1), q4_1_prefill)
+
+
 def test_kernel_refuses_k_that_32_does_not_divide_or_rows_of_the_wrong_width():
     packed = pack_q4_1(random_q4_1(8, 64, seed=1))
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -119,6 +138,17 @@ def test_q4linear_answers_the_same_on_the_decode_and_the_prefill_path(reader, mo
     torch.testing.assert_close(big, x @ weight.t(), rtol=1e-4, atol=1e-4)
     small = torch.cat([layer(x[:small_m]), layer(x[small_m:])])
     assert ((small - big).norm() / big.norm()).item() < tolerance  # the kernel rounds the activations too
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int8_prefill_path_takes_chunks_over_small_m_to_the_prefill_kernel(reader, planes):
+    data, weight = file_blocks(reader, "blk.3.ffn_down.weight")
+    layer = Q4Linear(GGUFBlocks("Q4_1", data), planes=planes, prefill_dtype=torch.int8)
+    x = torch.randn(layer.small_m + 5, weight.shape[1], generator=torch.Generator().manual_seed(4))
+    big = layer(x)
+    torch.testing.assert_close(big, q4_1_linear(x, layer.packed, 1), rtol=1e-5, atol=1e-5)  # one plane's maths
+    small = layer(x[:1])
+    torch.testing.assert_close(small, q4_1_linear(x[:1], layer.packed, planes), rtol=0, atol=0)
 
 
 def test_bfloat16_prefill_path_is_the_files_weights_rounded_once(reader):

@@ -45,14 +45,15 @@ def test_the_loader_keeps_every_quantized_matrix_of_the_file_as_stored():
 @pytest.fixture(scope="module")
 def gguf_llm() -> LLM:
     """One `--quantization gguf` engine for the module (building one reads the file three times); 16-token steps, so
-    prompts are prefilled in chunks, in float32 as on a CPU without native bf16 (where bf16 is native, chunks of
-    more rows than the kernel's small-M limit go through a bf16 GEMM, whose rounding is not llama.cpp's)."""
+    prompts are prefilled in chunks, as on a CPU without native bf16 (where bf16 is native, chunks of more rows than
+    the kernel's small-M limit go through a bf16 GEMM, whose rounding is not llama.cpp's; without it they go through
+    float32 GEMMs or the int8 prefill kernel, which rounds as llama.cpp does)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv(CPU_FLAGS_OFF_ENV, "avx512_bf16,amx_bf16")
         llm = LLM(
             default_model_path(), dtype="float32", quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=16
         )
-    assert llm.engine.precision.prefill_dtype == torch.float32
+    assert llm.engine.precision.prefill_dtype in (torch.float32, torch.int8)
     return llm
 
 
