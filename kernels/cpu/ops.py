@@ -130,9 +130,9 @@ def paged_prefill_attention(
     bf16: bool = False,
 ) -> torch.Tensor | None:
     """Same contract as kernels.attention.reference.paged_prefill_attention (int32 tables), or None where the
-    kernel does not cover the case (no AVX-512, head_dim other than 64, non-float32): the caller then takes the
-    reference. bf16: q.k and p.v as bfloat16 dot products summed in float32, where the CPU has them (float32
-    elsewhere)."""
+    kernel does not cover the case (neither AVX-512 nor AVX2, head_dim other than 64, non-float32): the caller then
+    takes the reference. bf16: q.k and p.v as bfloat16 dot products summed in float32, where the CPU has them
+    (float32 elsewhere)."""
     out = torch.empty(q.shape, dtype=q.dtype)
     done = load().paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, bf16

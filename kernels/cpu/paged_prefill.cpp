@@ -4,9 +4,9 @@
 // ever computed (torch's CPU SDPA computes its 512-key tiles whole, half of them masked, in a causal 512-token chunk).
 // A task is (sequence, kv head, a few query positions); its rows are those positions times the G query heads sharing
 // the kv head, so each key and value serves all of them. Keys are transposed once per (sequence, kv head) into tiles
-// [D][16], so a score tile is D broadcast-FMAs per row. float32 throughout; AVX-512 with head_dim 64 (SmolLM2's),
-// where `paged_prefill_attention` returns false otherwise and the caller takes the torch reference (also the oracle in
-// tests/contract/kernels/test_cpu_prefill.py).
+// [D][16], so a score tile is D broadcast-FMAs per row. float32 throughout; AVX-512, or AVX2 + FMA (a tile's 16
+// scores in two vectors), with head_dim 64 (SmolLM2's), where `paged_prefill_attention` returns false otherwise and
+// the caller takes the torch reference (also the oracle in tests/contract/kernels/test_cpu_prefill.py).
 // With `bf16` (the engine's bfloat16-prefill mode, on a CPU with AVX512_BF16) q.k and p.v are bfloat16 pairs summed
 // into float32 by vdpbf16ps, half the instructions of the float32 FMAs: q, k, v and the probabilities are rounded to
 // bfloat16 (as flash attention keeps them on GPUs), the softmax and every sum stay float32. Keys are packed per tile as
@@ -22,10 +22,15 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TOKENWEIR_PREFILL_KERNEL 1
 #include <immintrin.h>
 
+#if defined(__AVX512F__)
 #include "exp512.h"
+#else
+#include "exp256.h"
+#endif
 
 namespace {
 
@@ -56,6 +61,7 @@ void transpose_tile(const float* k_cache, const Sequence& sq, const Layout& ly, 
   }
 }
 
+#if defined(__AVX512F__)
 // One row's step of the online softmax over a tile of scores, of which the first `visible` (>= 1) count: returns
 // e^(score - max) (0 past them), adds it to the row's per-lane sums, and where the tile raises the row's maximum first
 // rescales what was summed under the old one (its output accumulator and sums).
@@ -147,6 +153,125 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   store_rows(acc, sum, sq, ly, h, i0, R, out);
 }
 
+#else
+// AVX2: a tile's 16 scores of a row are two 8-lane vectors; otherwise as the AVX-512 code above (one row's online
+// softmax step, the outputs' normalization, the rows' tiles), in register-sized pieces: four rows' scores at a time,
+// and each value row added into two rows' accumulators half a head (32 dimensions) at a time.
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// scores: the tile's 16 scores (keys 0-7, 8-15) -> e^(score - max) into e, 0 past `visible`.
+inline void softmax_tile(const __m256 scores[2], int64_t visible, float& mx, float* acc, float* sum, float* e) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 none = _mm256_set1_ps(kNoScore);
+  __m256 live[2], masked[2];
+  for (int c = 0; c < 2; ++c) {
+    live[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible - 8 * c)), lane));
+    masked[c] = _mm256_blendv_ps(none, scores[c], live[c]);
+  }
+  const float tile_max = hmax8(_mm256_max_ps(masked[0], masked[1]));
+  if (tile_max > mx) {
+    const __m256 c = _mm256_set1_ps(std::exp(mx - tile_max));
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_mul_ps(_mm256_load_ps(acc + d), c));
+    for (int64_t d = 0; d < KEYS; d += 8) _mm256_store_ps(sum + d, _mm256_mul_ps(_mm256_load_ps(sum + d), c));
+    mx = tile_max;
+  }
+  for (int c = 0; c < 2; ++c) {
+    const __m256 x = _mm256_and_ps(live[c], exp_nonpositive256(_mm256_sub_ps(masked[c], _mm256_set1_ps(mx))));
+    _mm256_store_ps(e + 8 * c, x);
+    _mm256_store_ps(sum + 8 * c, _mm256_add_ps(_mm256_load_ps(sum + 8 * c), x));
+  }
+}
+
+void store_rows(const float (*acc)[D], const float (*sum)[KEYS], const Sequence& sq, const Layout& ly, int64_t h,
+                int64_t i0, int64_t R, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / ly.G, g = r % ly.G;
+    float* dst = out + ((sq.t0 + i0 + i) * ly.Hkv * ly.G + h * ly.G + g) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / hsum8(_mm256_add_ps(_mm256_load_ps(sum[r]), _mm256_load_ps(sum[r] + 8))));
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv));
+  }
+}
+
+void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0,
+                 int64_t positions, float* out) {
+  const int64_t G = ly.G, R = positions * G, first_pos = sq.ctx - sq.q_len + i0;
+  alignas(64) float qs[ROWS][D] = {};
+  alignas(64) float acc[ROWS][D] = {};
+  alignas(64) float p[ROWS][KEYS] = {};
+  alignas(64) float sum[ROWS][KEYS] = {};
+  float mx[ROWS];
+  int64_t pos[ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
+    mx[r] = kNoScore, pos[r] = first_pos + i;
+  }
+  const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;
+  const int64_t rows4 = (R + 3) / 4 * 4;  // rows past R are zeros, computed along and never used
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* kt = sq.keys_t + (tile * ly.Hkv + h) * D * KEYS;
+    for (int64_t r0 = 0; r0 < rows4; r0 += 4) {
+      __m256 s[4][2];
+      for (int64_t r = 0; r < 4; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 k0 = _mm256_load_ps(kt + d * KEYS), k1 = _mm256_load_ps(kt + d * KEYS + 8);
+        for (int64_t r = 0; r < 4; ++r) {
+          const __m256 x = _mm256_broadcast_ss(&qs[r0 + r][d]);
+          s[r][0] = _mm256_fmadd_ps(x, k0, s[r][0]);
+          s[r][1] = _mm256_fmadd_ps(x, k1, s[r][1]);
+        }
+      }
+      for (int64_t r = r0; r < std::min(r0 + 4, R); ++r) {
+        const int64_t visible = std::min<int64_t>(KEYS, pos[r] - tile * KEYS + 1);
+        if (visible <= 0) {
+          std::fill(p[r], p[r] + KEYS, 0.f);
+          continue;
+        }
+        softmax_tile(s[r - r0], visible, mx[r], acc[r], sum[r], p[r]);
+      }
+    }
+    const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
+    const float* vrows[KEYS];
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t key = first + j, block = std::max<int32_t>(sq.table[key / ly.S], 0);
+      vrows[j] = v_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 2) {
+      for (int64_t half = 0; half < D; half += D / 2) {
+        __m256 a[2][4];
+        for (int64_t r = 0; r < 2; ++r)
+          for (int64_t c = 0; c < 4; ++c) a[r][c] = _mm256_load_ps(acc[r0 + r] + half + 8 * c);
+        for (int64_t j = 0; j < keys; ++j) {
+          const float* v = vrows[j] + half;
+          const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                       v3 = _mm256_loadu_ps(v + 24);
+          for (int64_t r = 0; r < 2; ++r) {
+            const __m256 w = _mm256_broadcast_ss(&p[r0 + r][j]);
+            a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(w, v2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
+          }
+        }
+        for (int64_t r = 0; r < 2 && r0 + r < R; ++r)
+          for (int64_t c = 0; c < 4; ++c) _mm256_store_ps(acc[r0 + r] + half + 8 * c, a[r][c]);
+      }
+    }
+  }
+  store_rows(acc, sum, sq, ly, h, i0, R, out);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr int64_t PAIRS = D / 2 * KEYS;  // 32-bit words in a packed key tile, and in a packed value tile
@@ -246,13 +371,13 @@ void attend_rows_bf16(const float* q, const Sequence& sq, const Layout& ly, int6
 
 // q [T, Hq, D] float32 (rows may be strided, as a view of the fused qkv), caches [blocks, S, Hkv, D] float32,
 // block_tables [P, max_blocks], cu_seqlens_q [P + 1], context_lens [P] int32 -> out [T, Hq, D] float32. Returns
-// false (out untouched) where this kernel is not built for the case: no AVX-512, head_dim other than 64, more than 16
+// false (out untouched) where this kernel is not built for the case: neither AVX-512 nor AVX2 + FMA, head_dim other than 64, more than 16
 // query heads per kv head, or other dtypes / layouts. bf16: bfloat16 dot products where the CPU has them (float32
 // otherwise).
 bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out,
                              bool bf16) {
-#if defined(__AVX512F__)
+#if defined(TOKENWEIR_PREFILL_KERNEL)
   const bool fits = q.dim() == 3 && q.size(2) == D && q.stride(2) == 1 && q.scalar_type() == torch::kFloat32 &&
                     k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
