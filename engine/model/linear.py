@@ -133,10 +133,12 @@ class Q4Linear:
     # One plane beat dequantize + float32 MKL at every M measured, up to 512 rows (1.1-6x, 1 or 2 threads, on
     # SmolLM2's shapes, AMD EPYC), where the measurements stopped. Two planes cost twice the integer dots:
     # float32 MKL wins from about 256 rows, and bfloat16 (dequantized for the call) from 64-128.
-    # The prefill kernel computes one plane's maths at any M, faster from a few rows; two planes keep decode batches
-    # up to float32's threshold, so a batch of decodes keeps its precision whatever the prefill path.
+    # The int8 prefill kernel is faster from a few rows, but rounds otherwise than the decode kernel (its sums run in
+    # another order, and with two planes it drops the second): decode batches and speculative verification rows up to
+    # 128 keep the decode kernel: up to there a row's logits do not depend on how many rows share its step (a step
+    # with a longer prefill chunk takes its decode rows along, as the dense prefill paths do).
     SMALL_M = {
-        (1, torch.float32): 512, (1, torch.bfloat16): 512, (1, torch.int8): 16,
+        (1, torch.float32): 512, (1, torch.bfloat16): 512, (1, torch.int8): 128,
         (2, torch.float32): 128, (2, torch.bfloat16): 64, (2, torch.int8): 128,
     }  # fmt: skip
 
