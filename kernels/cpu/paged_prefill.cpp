@@ -61,6 +61,30 @@ void transpose_tile(const float* k_cache, const Sequence& sq, const Layout& ly, 
   }
 }
 
+// The rows' queries times the softmax scale, their running maxima (none yet) and positions; rows r = i * G + g are
+// positions i0 + i of the chunk, query head h * G + g.
+void load_rows(const float* q, const Sequence& sq, const Layout& ly, int64_t h, int64_t i0, int64_t R, float (*qs)[D],
+               float* mx, int64_t* pos) {
+  const int64_t first_pos = sq.ctx - sq.q_len + i0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / ly.G, g = r % ly.G;
+    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * ly.G + g) * ly.q_stride_h;
+    for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
+    mx[r] = kNoScore, pos[r] = first_pos + i;
+  }
+}
+
+// Where the values of a tile's keys lie in the paged cache (kv head h); returns how many keys the tile has.
+int64_t value_rows(const float* v_cache, const Sequence& sq, const Layout& ly, int64_t h, int64_t tile,
+                   const float** vrows) {
+  const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t key = first + j, block = std::max<int32_t>(sq.table[key / ly.S], 0);
+    vrows[j] = v_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
+  }
+  return keys;
+}
+
 #if defined(__AVX512F__)
 // One row's step of the online softmax over a tile of scores, of which the first `visible` (>= 1) count: returns
 // e^(score - max) (0 past them), adds it to the row's per-lane sums, and where the tile raises the row's maximum first
@@ -101,12 +125,7 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   alignas(64) float sum[ROWS][KEYS] = {};  // per lane, added up once at the end
   float mx[ROWS];
   int64_t pos[ROWS];
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r / G, g = r % G;
-    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
-    for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
-    mx[r] = kNoScore, pos[r] = first_pos + i;
-  }
+  load_rows(q, sq, ly, h, i0, R, qs, mx, pos);
   const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;  // through the last row's own key
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const float* kt = sq.keys_t + (tile * ly.Hkv + h) * D * KEYS;
@@ -125,12 +144,8 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
       _mm512_store_ps(p[r], softmax_tile(s[r], visible, mx[r], acc[r], sum[r]));
     }
     // acc[r] += sum_j p[r][j] v_j, four rows at a time: 16 accumulators, each value row loaded once per four rows.
-    const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
     const float* vrows[KEYS];
-    for (int64_t j = 0; j < keys; ++j) {
-      const int64_t key = first + j, block = std::max<int32_t>(sq.table[key / ly.S], 0);
-      vrows[j] = v_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
-    }
+    const int64_t keys = value_rows(v_cache, sq, ly, h, tile, vrows);
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       __m512 a[4][4];
       for (int64_t r = 0; r < 4; ++r)
@@ -211,12 +226,7 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
   alignas(64) float sum[ROWS][KEYS] = {};
   float mx[ROWS];
   int64_t pos[ROWS];
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r / G, g = r % G;
-    const float* src = q + (sq.t0 + i0 + i) * ly.q_stride_t + (h * G + g) * ly.q_stride_h;
-    for (int64_t d = 0; d < D; ++d) qs[r][d] = src[d] * ly.scale;
-    mx[r] = kNoScore, pos[r] = first_pos + i;
-  }
+  load_rows(q, sq, ly, h, i0, R, qs, mx, pos);
   const int64_t tiles = (first_pos + positions - 1) / KEYS + 1;
   const int64_t rows4 = (R + 3) / 4 * 4;  // rows past R are zeros, computed along and never used
   for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -241,12 +251,8 @@ void attend_rows(const float* q, const float* v_cache, const Sequence& sq, const
         softmax_tile(s[r - r0], visible, mx[r], acc[r], sum[r], p[r]);
       }
     }
-    const int64_t first = tile * KEYS, keys = std::min(KEYS, sq.ctx - first);
     const float* vrows[KEYS];
-    for (int64_t j = 0; j < keys; ++j) {
-      const int64_t key = first + j, block = std::max<int32_t>(sq.table[key / ly.S], 0);
-      vrows[j] = v_cache + ((block * ly.S + key % ly.S) * ly.Hkv + h) * D;
-    }
+    const int64_t keys = value_rows(v_cache, sq, ly, h, tile, vrows);
     for (int64_t r0 = 0; r0 < R; r0 += 2) {
       for (int64_t half = 0; half < D; half += D / 2) {
         __m256 a[2][4];
