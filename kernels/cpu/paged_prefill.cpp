@@ -377,9 +377,9 @@ void attend_rows_bf16(const float* q, const Sequence& sq, const Layout& ly, int6
 
 // q [T, Hq, D] float32 (rows may be strided, as a view of the fused qkv), caches [blocks, S, Hkv, D] float32,
 // block_tables [P, max_blocks], cu_seqlens_q [P + 1], context_lens [P] int32 -> out [T, Hq, D] float32. Returns
-// false (out untouched) where this kernel is not built for the case: neither AVX-512 nor AVX2 + FMA, head_dim other than 64, more than 16
-// query heads per kv head, or other dtypes / layouts. bf16: bfloat16 dot products where the CPU has them (float32
-// otherwise).
+// false (out untouched) where this kernel is not built for the case: neither AVX-512 nor AVX2 + FMA, head_dim other
+// than 64, more than 16 query heads per kv head, or other dtypes / layouts. bf16: bfloat16 dot products where the CPU
+// has them (float32 otherwise).
 bool paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor cu_seqlens_q, torch::Tensor context_lens, double scale, torch::Tensor out,
                              bool bf16) {

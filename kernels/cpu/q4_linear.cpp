@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "q4_1_layout.h"
+
 // Activation rows multiplied per pass over a weight row. Each row keeps two accumulators beside the group's eight
 // weight vectors: AVX2's 16 vector registers hold three rows (a fourth spilled, and cost 2.5x a third), AVX-512's 32
 // hold eight.
@@ -37,10 +39,6 @@ static constexpr int TILE_M = 8;
 #else
 static constexpr int TILE_M = 3;
 #endif
-static constexpr int64_t QK = 32;       // values per block
-static constexpr int64_t GROUP = 8;     // blocks per interleaved group
-static constexpr int64_t NIBBLES = 16;  // nibble bytes per block
-static constexpr int64_t ROW_BYTES_PER_BLOCK = 20;
 
 // Where activation k of a row goes in the quantized row: inside a full group, word w of block j (values 4w..4w+3)
 // sits in vector 2 * (w % 4) + w / 4 (low nibbles of word t = w, then high nibbles), lane j.
@@ -223,8 +221,7 @@ static inline void row_dot(const uint8_t* w, int64_t B, const int8_t* xq, const 
       int32_t dot = 0;
       for (int64_t k = 0; k < NIBBLES; ++k) {  // byte k of the block holds values k and k + 16
         const int64_t word = k / 4, byte = k % 4;
-        const uint8_t v = b < full * GROUP ? w[(b / GROUP) * GROUP * NIBBLES + (word * 8 + b % GROUP) * 4 + byte]
-                                           : w[b * NIBBLES + k];
+        const uint8_t v = w[nibble_byte_at(b, k, B)];
         for (int p = 0; p < P; ++p) {
           const int8_t* xr = xq + r * P * K + p * K;
           const int32_t unit = P == 2 && p == 0 ? 254 : 1;
@@ -318,7 +315,7 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w, int64_t planes) {
 // matrix twice.
 template <typename T>
 static void dequantize_rows(const uint8_t* wp, int64_t N, int64_t K, T* op) {
-  const int64_t B = K / QK, full = B / GROUP;
+  const int64_t B = K / QK;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = wp + n * B * ROW_BYTES_PER_BLOCK;
@@ -328,8 +325,7 @@ static void dequantize_rows(const uint8_t* wp, int64_t N, int64_t K, T* op) {
         const float d = half_to_float(wd[b]), m = half_to_float(wm[b]);
         float block[QK];
         for (int64_t k = 0; k < NIBBLES; ++k) {
-          const int64_t grouped = (b / GROUP) * GROUP * NIBBLES + ((k / 4) * 8 + b % GROUP) * 4 + k % 4;
-          const uint8_t v = b < full * GROUP ? row[grouped] : row[b * NIBBLES + k];
+          const uint8_t v = row[nibble_byte_at(b, k, B)];
           block[k] = d * static_cast<float>(v & 0x0F) + m;
           block[k + 16] = d * static_cast<float>(v >> 4) + m;
         }

@@ -22,12 +22,10 @@
 #include <cstring>
 #include <vector>
 
+#include "q4_1_layout.h"
+
 namespace {
 
-constexpr int64_t QK = 32;  // values per block
-constexpr int64_t GROUP = 8;  // blocks per interleaved group of q4_linear.cpp's rows
-constexpr int64_t NIBBLES = 16;  // nibble bytes per block
-constexpr int64_t ROW_BYTES_PER_BLOCK = 20;
 constexpr int64_t LANES = 8;  // output columns per panel
 constexpr int TILE_M = 4;  // activation rows per pass over a panel: 4 int16 + 4 float accumulators in 16 registers
 
@@ -39,7 +37,7 @@ struct Panel {
   explicit Panel(int64_t B) : words(B * 4 * LANES), d(B * LANES), m(B * LANES) {}
 
   void fill(const uint8_t* wp, int64_t B, int64_t n0, int64_t columns) {
-    const int64_t row_bytes = B * ROW_BYTES_PER_BLOCK, grouped = B / GROUP * GROUP;
+    const int64_t row_bytes = B * ROW_BYTES_PER_BLOCK;
     std::fill(words.begin(), words.end(), 0u);
     std::fill(d.begin(), d.end(), 0.f);
     std::fill(m.begin(), m.end(), 0.f);
@@ -48,12 +46,8 @@ struct Panel {
       const uint16_t* half_d = reinterpret_cast<const uint16_t*>(row + B * NIBBLES);
       const uint16_t* half_m = half_d + B;
       for (int64_t b = 0; b < B; ++b) {
-        for (int64_t p = 0; p < 4; ++p) {
-          // word p of block b: inside a full group, word (p, j) of the group at (p * 8 + j) * 4; tail blocks in order
-          const int64_t at = b < grouped ? (b / GROUP) * GROUP * NIBBLES + (p * GROUP + b % GROUP) * 4
-                                         : b * NIBBLES + p * 4;
-          std::memcpy(&words[(b * 4 + p) * LANES + c], row + at, 4);
-        }
+        for (int64_t p = 0; p < 4; ++p)  // word p: nibble bytes 4p..4p+3, contiguous in either order
+          std::memcpy(&words[(b * 4 + p) * LANES + c], row + nibble_byte_at(b, 4 * p, B), 4);
         d[b * LANES + c] = c10::detail::fp16_ieee_to_fp32_value(half_d[b]);
         m[b * LANES + c] = c10::detail::fp16_ieee_to_fp32_value(half_m[b]);
       }
