@@ -52,7 +52,27 @@ def check_body(data: dict, raw: bytes, schema: TypeAdapter) -> dict:
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
     check_together(data)
+    check_gateway_fields(data)
     return data
+
+
+# Fields an engine reads as an instruction from the gateway rather than as a request parameter: only the gateway
+# speaks for a request to an engine, so a client's copy is refused, never passed on (a client's kv_transfer_params
+# reached a decode engine whenever no prefill hop ran, naming the address it fetched KV from).
+GATEWAY_FIELDS = {
+    "kv_transfer_params": "the gateway sets it on the hops of a disaggregated pool",
+}
+
+
+def check_gateway_fields(data: dict) -> None:
+    for name, why in GATEWAY_FIELDS.items():
+        if name in data:
+            raise APIError(
+                400,
+                f"Unsupported parameter: '{name}' must not come from a client ({why}); leave it out.",
+                "unsupported_parameter",
+                param=name,
+            )
 
 
 def check_together(data: dict) -> None:

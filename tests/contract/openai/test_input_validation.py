@@ -301,6 +301,17 @@ V1_CASES = {
         CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep(61)}}]), "invalid_json",
         "tools",
     ),
+    # fields only the gateway sets on its way to an engine
+    "a client's kv_transfer_params on chat": (
+        CHAT, chat(kv_transfer_params={"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9}),
+        "unsupported_parameter", "kv_transfer_params",
+    ),
+    "a client's kv_transfer_params on completions": (
+        COMPLETIONS, completion(kv_transfer_params={"do_remote_decode": True}), "unsupported_parameter",
+        "kv_transfer_params",
+    ),
+    "a client's null kv_transfer_params": (CHAT, chat(kv_transfer_params=None), "unsupported_parameter",
+                                           "kv_transfer_params"),
 }  # fmt: skip
 
 
