@@ -14,12 +14,17 @@ engine 1 decodes (kv_consumer, fetching the prompt's KV from engine 0). One stac
 3. A client gone while its prompt is on the prefill member: the gateway aborts the prefill hop (the producer stops
    it, or lets its KV go at once if it had finished), the decode member never gets it, one event says the client
    left.
+4. A tenant's own `kv_transfer_params`, naming a listener of the test's, is refused at the edge whatever state the
+   prefill member is in (up, drained, killed): the listener sees no connection and other teams' answers stay as
+   they were.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -194,3 +199,67 @@ def test_a_client_gone_during_the_prefill_hop_stops_it_on_the_producer(stack):
     wait_for("the producer to stop the prefill hop and keep no KV for it", let_go, 10)
     assert finished(stack, 1) == decoded  # the decode member never got it
     assert len(events_of(stack, rid)) == 1
+
+
+class Listener:
+    """A TCP listener of the test's own on a free port, counting the connections made to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.sock.getsockname()[1], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+
+def forged_transfer(stack: EnginesStack, listener: Listener, stream: bool) -> httpx.Response:
+    params = {
+        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": listener.port,
+        "remote_engine_id": "engine-0", "transfer_id": "forged", "num_tokens": 64,
+    }  # fmt: skip
+    messages = [{"role": "system", "content": system_prompt("Aurora")}, {"role": "user", "content": "Say hello."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "kv_transfer_params": params, "stream": stream}
+    headers = {"authorization": f"Bearer {stack.served.demo_key}"}
+    return httpx.post(stack.served.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def test_a_tenants_kv_transfer_params_are_refused_at_the_edge_whatever_the_prefill_member_does(stack):
+    wait_for("both members up", lambda: all(answers(u) for u in stack.engine_urls()), 60)
+    _, before = chat(stack, "Basalt", "Name three colours.", max_tokens=12)
+    listener = Listener()
+    admin = {"authorization": f"Bearer {stack.served.admin_key}"}
+    member = f"{stack.served.url}/admin/pools/{MODEL}/members/engine-0"
+
+    def refused(state: str) -> None:
+        for stream in (False, True):
+            r = forged_transfer(stack, listener, stream)
+            assert r.status_code == 400, (state, r.text)
+            error = r.json()["error"]
+            assert (error["code"], error["param"], error["type"]) == (
+                "unsupported_parameter", "kv_transfer_params", "invalid_request_error",
+            ), (state, error)  # fmt: skip
+
+    refused("prefill member up")
+    r = httpx.patch(member, json={"draining": True}, headers=admin, timeout=30)
+    assert r.status_code == 200, r.text
+    try:
+        refused("prefill member drained")
+    finally:
+        r = httpx.patch(member, json={"draining": False}, headers=admin, timeout=30)
+        assert r.status_code == 200, r.text
+    producer_pid = stack.out.engines()[0][0]
+    os.kill(producer_pid, signal.SIGKILL)
+    refused("prefill member killed")
+    assert listener.accepted == 0
+    wait_for("the producer's restart", lambda: stack.out.engines()[0][0] != producer_pid, 30)
+    wait_for("both members up", lambda: all(answers(u) for u in stack.engine_urls()), 120)
+    _, after = chat(stack, "Basalt", "Name three colours.", max_tokens=12)
+    assert after.choices[0].message.content == before.choices[0].message.content
+    assert listener.accepted == 0
