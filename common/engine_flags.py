@@ -1,5 +1,6 @@
-"""What the gateway's `serve` and the engine's command line agree on: the env variable that carries the engine's API
-key, how a size is written ('512MiB'), and the share of GPU memory an engine takes by default."""
+"""What the gateway's `serve` and the engine's command line agree on: the env variables that carry the engine's API
+key and the key its KV transfers are signed with, how a size is written ('512MiB'), and the share of GPU memory an
+engine takes by default."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import re
 
 API_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"  # as vLLM reads VLLM_API_KEY
+KV_TRANSFER_KEY_ENV = "TOKENWEIR_KV_TRANSFER_KEY"  # shared by the engines of a disaggregated pool (engine/kv_transfer)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # of the device's memory, shared out between the replicas of `serve --engines N`
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 

@@ -91,6 +91,7 @@ def _start(lab: Lab, down_upstream: bool, roles: tuple[str, ...] | None, timeout
     deadline = time.monotonic() + timeout_s
     engines = []
     engine_key = {render.ENGINE_KEY_ENV: secrets.token_urlsafe(32)}  # in the env: `ps` would show an argument
+    engine_key[render.KV_TRANSFER_KEY_ENV] = secrets.token_hex(32)  # one for both: the decoder trusts the prefiller
     for i in (1, 2):
         cmd = engine_cmd(ports[f"engine-{i}"], roles[i - 1] if roles else None)
         engines.append(lab.spawn(f"engine-{i}", cmd, env=engine_key))

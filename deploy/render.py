@@ -22,6 +22,8 @@ CANARY_MODEL = "smollm2-135m-canary"
 ADMIN_KEY_ENV = "TOKENWEIR_ADMIN_KEY"
 # The engines' API key, in the env of the engines (engine/flags.py reads it) and of the gateways (`api_key_env`).
 ENGINE_KEY_ENV = "TOKENWEIR_ENGINE_API_KEY"
+# The key a disaggregated pool's engines share: the prefill engine signs its answers, the decode engine checks them.
+KV_TRANSFER_KEY_ENV = "TOKENWEIR_KV_TRANSFER_KEY"
 
 # docker compose: service name -> port inside the network
 COMPOSE_ENGINES = [("engine-1", "http://engine-1:8100"), ("engine-2", "http://engine-2:8100")]

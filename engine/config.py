@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from tokenweir.common.engine_flags import DEFAULT_GPU_MEMORY_UTILIZATION
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "shortest-prompt")
+MIN_TRANSFER_KEY_CHARS = 16  # `tokenweir serve` makes 64 hex digits
 
 
 @dataclass
@@ -102,7 +103,12 @@ class KVTransferConfig:
     (for `pin_timeout_s` at most, or until fetched) and its output says where to fetch them; the blocks are served over
     TCP at `kv_ip`:`kv_port` (port 0: any free one). A `kv_consumer` takes requests whose `kv_transfer_params` say
     `do_remote_prefill`: it fetches the prompt's blocks from that producer (a fetch that fails or passes
-    `fetch_timeout_s` falls back to computing the prompt itself), then decodes. `kv_both` is both."""
+    `fetch_timeout_s` falls back to computing the prompt itself), then decodes. `kv_both` is both.
+
+    A consumer fetches only from producers it trusts (engine/kv_transfer/trust.py): answers signed with
+    `transfer_key`, the key the engines share (a producer signs its answers with it), or naming an address of
+    `kv_producers` ("host:port", as the producer's answers name it); with neither, it trusts no producer. The key is a
+    secret: the flags read it from the environment or a file, never from the command line."""
 
     kv_role: str = "kv_both"
     kv_connector: str = "TcpConnector"
@@ -110,6 +116,8 @@ class KVTransferConfig:
     kv_port: int = 0
     pin_timeout_s: float = 30.0
     fetch_timeout_s: float = 10.0
+    transfer_key: str | None = field(default=None, repr=False)
+    kv_producers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         roles = ("kv_producer", "kv_consumer", "kv_both")
@@ -117,6 +125,13 @@ class KVTransferConfig:
         assert self.kv_connector == "TcpConnector", f"kv_connector: TcpConnector, got {self.kv_connector!r}"
         assert 0 <= self.kv_port <= 65535, f"kv_port: 0 to 65535, got {self.kv_port}"
         assert self.pin_timeout_s > 0 and self.fetch_timeout_s > 0, "pin_timeout_s and fetch_timeout_s: above 0"
+        assert self.transfer_key is None or len(self.transfer_key) >= MIN_TRANSFER_KEY_CHARS, (
+            f"the KV transfer key: {MIN_TRANSFER_KEY_CHARS} characters at least"
+        )
+        self.kv_producers = tuple(self.kv_producers)
+        for address in self.kv_producers:
+            host, _, port = str(address).rpartition(":")
+            assert host and port.isdigit() and 0 < int(port) < 65536, f"kv_producers: host:port, got {address!r}"
 
     @property
     def is_producer(self) -> bool:
@@ -128,8 +143,9 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        """From vLLM's JSON form; an unknown key or a bad value is a ValueError naming it."""
-        return _dataclass_from_json(cls, text, "--kv-transfer-config", '{"kv_role": "kv_producer"}')
+        """From vLLM's JSON form; an unknown key or a bad value is a ValueError naming it. The transfer key is
+        refused there: a command line is visible to every local user (`ps`)."""
+        return _dataclass_from_json(cls, text, "--kv-transfer-config", '{"kv_role": "kv_producer"}', ("transfer_key",))
 
     def describe(self) -> str:
         return f"{self.kv_role} over {self.kv_connector} at {self.kv_ip}:{self.kv_port or 'any port'}"
@@ -181,13 +197,15 @@ class EngineConfig:
         assert self.quantization in modes, f"quantization: one of {', '.join(modes)}"
 
 
-def _dataclass_from_json(cls, text: str, flag: str, example: str):
+def _dataclass_from_json(cls, text: str, flag: str, example: str, secrets: tuple[str, ...] = ()):
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{flag} is not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{flag}: a JSON object, e.g. '{example}'")
+    if given := sorted(set(raw) & set(secrets)):
+        raise ValueError(f"{flag}: {given} is a secret: give it in the environment or a file, not on the command line")
     if cls is SpeculativeConfig and raw.get("model") and "method" not in raw:
         raw["method"] = "draft_model"  # as vLLM infers it
     known = {f.name for f in fields(cls)}

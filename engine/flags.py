@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
-from tokenweir.common.engine_flags import API_KEY_ENV, parse_size
+from tokenweir.common.engine_flags import API_KEY_ENV, KV_TRANSFER_KEY_ENV, parse_size
 from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
-from tokenweir.engine.config import SCHEDULING_POLICIES, EngineConfig, KVTransferConfig, SpeculativeConfig
+from tokenweir.engine.config import (
+    MIN_TRANSFER_KEY_CHARS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+    KVTransferConfig,
+    SpeculativeConfig,
+)
 
 # Keep idle connections longer than clients' pools do (httpx expires them after 5 s), so a pooled client never
 # sends on a connection the server is closing at that very moment.
@@ -40,6 +47,14 @@ def parse_kv_transfer(text: str) -> KVTransferConfig:
     try:
         return KVTransferConfig.from_json(text)
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_producers(text: str) -> tuple[str, ...]:
+    producers = tuple(p.strip() for p in text.split(",") if p.strip())
+    try:
+        return KVTransferConfig(kv_producers=producers).kv_producers  # its check of each address
+    except AssertionError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -203,7 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
         '(requests with "kv_transfer_params": {"do_remote_decode": true}) and serves their KV over TCP at "kv_ip" '
         '(127.0.0.1) and "kv_port" (0: any free port), pinned for "pin_timeout_s" (30) at most; "kv_consumer" '
         'fetches the KV a prefill hop\'s answer names (within "fetch_timeout_s", 10; else it computes the prompt) '
-        'and decodes; "kv_both" does both; default: off',
+        'and decodes; "kv_both" does both; default: off. A consumer fetches only from producers it trusts: answers '
+        f"signed with the key the engines share (${KV_TRANSFER_KEY_ENV}, or --kv-transfer-key-file; `tokenweir "
+        "serve` gives its engines one), or producers listed in --kv-producers; with neither it computes every prompt",
+    )
+    p.add_argument(
+        "--kv-transfer-key-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the key the engines of a disaggregated pool share (at least "
+        f"{MIN_TRANSFER_KEY_CHARS} characters): a producer signs its answers with it, a consumer fetches the KV of "
+        f"signed answers only (default: ${KV_TRANSFER_KEY_ENV}; never on the command line, which `ps` shows)",
+    )
+    p.add_argument(
+        "--kv-producers",
+        type=parse_producers,
+        default=None,
+        metavar="HOST:PORT,...",
+        help="a consumer also fetches, signed or not, from the producers at these KV addresses (as their answers "
+        'name them: their "kv_ip" and "kv_port")',
     )
     p.add_argument(
         "--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
@@ -257,6 +290,20 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def kv_transfer(args: argparse.Namespace) -> KVTransferConfig | None:
+    """--kv-transfer-config with whom the engine trusts: the engines' key (from --kv-transfer-key-file, else the env
+    variable: what `tokenweir serve` passes its children) and --kv-producers. An unreadable file is an OSError, a key
+    too short an AssertionError (as any bad config value)."""
+    config = args.kv_transfer_config
+    if config is None:
+        return None
+    key = os.environ.get(KV_TRANSFER_KEY_ENV) or None
+    if args.kv_transfer_key_file:
+        with open(args.kv_transfer_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+    return replace(config, transfer_key=key, kv_producers=args.kv_producers or config.kv_producers)
+
+
 def tracing_exporter(args: argparse.Namespace) -> str | None:
     """Where the flags send traces (common/tracing.py's exporter names); None: tracing is off."""
     if args.otlp_traces_endpoint:
@@ -282,7 +329,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         speculative=args.speculative_config,
-        kv_transfer=args.kv_transfer_config,
+        kv_transfer=kv_transfer(args),
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,

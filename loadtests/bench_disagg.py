@@ -38,6 +38,7 @@ from loadtests.bench_levers import WORDS, Request, Result, chat, engine_counters
 from tokenweir.common.text.model_files import default_model_path  # noqa: E402
 
 PRODUCER = json.dumps({"kv_role": "kv_producer"})
+ENGINE_ENV = {**os.environ, "TOKENWEIR_KV_TRANSFER_KEY": os.urandom(32).hex()}  # one key: the consumer trusts it
 CONSUMER = json.dumps({"kv_role": "kv_consumer"})
 CONFIGS = ("colocated", "disaggregated")
 # Steps of 512 tokens, of which one prompt takes at most 256: a chat's prompt arriving behind a document's starts at
@@ -61,7 +62,7 @@ def start_engine(path: str, threads: int, flags: list[str], max_model_len: int, 
            "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "512",
            "--long-prefill-token-threshold", str(threshold), *flags]  # fmt: skip
     with open(f"/tmp/tokenweir-bench-disagg-{port}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENGINE_ENV)
     engine = Engine(proc, f"http://127.0.0.1:{port}")
     llama_server.wait_healthy(proc, engine.url, 600)
     return engine

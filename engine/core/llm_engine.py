@@ -128,14 +128,12 @@ class LLMEngine:
         self.kv_layout = KVLayout.of_cache(kv_cache, self.model_revision, self.precision.quantization)
         self.engine_id = f"{config.kv_ip}:{os.getpid()}:{id(self):x}"
         if config.is_producer:
-            self.kv_pins = KVPins(config.pin_timeout_s, on_change=lambda: self.on_transfer_event())
+            self.kv_pins = KVPins(config.pin_timeout_s, lambda: self.on_transfer_event(), config.transfer_key)
             self.kv_server = KVServer(self.kv_pins, kv_cache, self.kv_layout, config.kv_ip, config.kv_port)
             self.kv_pins.address = (self.kv_server.host, self.kv_server.port, self.engine_id)
             self.scheduler.pin = self.kv_pins.pin
         if config.is_consumer:
-            self.kv_fetcher = KVFetcher(
-                kv_cache, self.kv_layout, config.fetch_timeout_s, on_done=lambda: self.on_transfer_event()
-            )
+            self.kv_fetcher = KVFetcher(kv_cache, self.kv_layout, config, on_done=lambda: self.on_transfer_event())
         log.info("kv transfer: %s, serving on port %s", config.describe(), self.kv_server and self.kv_server.port)
 
     def close(self) -> None:
@@ -347,7 +345,7 @@ class LLMEngine:
                     log.warning(
                         "request %s: the producer was not told to free its pinned KV (%s); it frees it at its timeout",
                         fetch.seq.group_id,
-                        fetch.error,
+                        fetch.detail,
                     )
                 continue
             del self._fetches[fetch.seq.request_id]
@@ -361,7 +359,7 @@ class LLMEngine:
             )
             if not fetch.ok and not seq.is_finished:
                 self.kv_fetch_failures += 1
-                log.warning("request %s: KV fetch failed (%s); computing its prompt here", seq.group_id, fetch.error)
+                log.warning("request %s: KV fetch failed (%s); computing its prompt here", seq.group_id, fetch.detail)
             self.scheduler.fetched(seq, fetch.ok)
         for fetch in self._fetches.values():
             if fetch.seq.is_finished:

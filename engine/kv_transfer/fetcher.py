@@ -1,11 +1,14 @@
 """The consumer's side of the TCP connector: fetches a prompt's blocks from a producer into blocks the scheduler set
-aside, on worker threads, so the engine goes on stepping the other sequences meanwhile. The engine polls the finished
-fetches each step; a fetch that failed (refused, timed out, the producer gone, a layout or prompt that differs) is
-reported, and the engine computes that prompt itself."""
+aside, on worker threads, so the engine goes on stepping the other sequences meanwhile. It connects only to a producer
+it trusts (trust.py), checked before the connection. The engine polls the finished fetches each step; a fetch that
+failed (an untrusted producer, refused, timed out, the producer gone, a layout or prompt that differs) is reported,
+with a coarse reason for the request's answer and the details for the log, and the engine computes that prompt
+itself."""
 
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import socket
 import threading
@@ -16,14 +19,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.kv_transfer.layout import KVLayout
-from tokenweir.engine.kv_transfer.params import RemotePrefill
+from tokenweir.engine.kv_transfer.params import FETCH_ERRORS, RemotePrefill
 from tokenweir.engine.kv_transfer.server import BLOCKS_PER_SEND, MAX_HEADER_BYTES
+from tokenweir.engine.kv_transfer.trust import ProducerTrust
 from tokenweir.engine.sched.sequence import Sequence
+
+log = logging.getLogger("tokenweir.engine")
 
 
 class KVTransferError(RuntimeError):
-    pass
+    """A fetch that failed for a known `reason` (one of params.FETCH_ERRORS); the message holds the details."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in FETCH_ERRORS, reason
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(eq=False)
@@ -35,7 +47,8 @@ class KVFetch:
     block_ids: list[int]  # this engine's blocks to fill, in order (none: only tell the producer to free its pin)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
-    error: str | None = None
+    error: str | None = None  # why it failed, coarse (params.FETCH_ERRORS): for the request's answer
+    detail: str | None = None  # what failed, for the log only (it may name hosts and ports)
     num_bytes: int = 0
     seconds: float = 0.0
 
@@ -45,13 +58,15 @@ class KVFetcher:
         self,
         kv_cache: torch.Tensor,
         layout: KVLayout,
-        timeout_s: float,
+        config: KVTransferConfig,
         on_done: Callable[[], None] = lambda: None,
         max_workers: int = 4,
     ) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
-        self.timeout_s = timeout_s
+        self.timeout_s = config.fetch_timeout_s
+        self.trust = ProducerTrust(config.transfer_key, config.kv_producers)
+        (log.info if self.trust.trusts_any else log.warning)("kv transfer: fetching from %s", self.trust.describe())
         self.on_done = on_done  # a fetch finished (the engine loop may be waiting)
         self.in_flight = 0  # engine thread only
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-fetch")
@@ -88,7 +103,7 @@ class KVFetcher:
             self._fetch(fetch, start + self.timeout_s)
             fetch.ok = True
         except Exception as exc:  # whatever broke, the engine computes the prompt itself
-            fetch.error = str(exc) if isinstance(exc, KVTransferError) else repr(exc)
+            fetch.error, fetch.detail = _reason(exc), str(exc) if isinstance(exc, KVTransferError) else repr(exc)
         finally:
             fetch.seconds = time.monotonic() - start
             self._done.put(fetch)
@@ -97,6 +112,9 @@ class KVFetcher:
 
     def _fetch(self, fetch: KVFetch, deadline: float) -> None:
         remote, layout = fetch.remote, self.layout
+        refusal = self.trust.refusal(remote)
+        if refusal is not None:  # before any connection: an untrusted address is never reached
+            raise KVTransferError("untrusted_producer", refusal)
         count = len(fetch.block_ids)
         with socket.create_connection((remote.host, remote.port), timeout=_left(deadline)) as conn:
             request = {
@@ -110,13 +128,15 @@ class KVFetcher:
             reader = conn.makefile("rb")
             reply = json.loads(reader.readline(MAX_HEADER_BYTES) or b"{}")
             if not reply.get("ok"):
-                raise KVTransferError(f"the producer refused: {reply.get('error', 'it closed the connection')}")
+                why = reply.get("error", "it closed the connection")
+                raise KVTransferError("producer_refused", f"the producer refused: {why}")
             if reply.get("num_blocks") != count or reply.get("block_bytes") != layout.block_bytes:
-                raise KVTransferError(f"the producer offers {reply} for {count} blocks of {layout.block_bytes} bytes")
+                offer = f"the producer offers {reply} for {count} blocks of {layout.block_bytes} bytes"
+                raise KVTransferError("producer_refused", offer)
             buffer = bytearray(BLOCKS_PER_SEND * layout.block_bytes)
             for start in range(0, count, BLOCKS_PER_SEND):
                 if fetch.cancelled.is_set():
-                    raise KVTransferError("cancelled: the request ended")
+                    raise KVTransferError("cancelled", "the request ended")
                 ids = fetch.block_ids[start : start + BLOCKS_PER_SEND]
                 size = len(ids) * layout.block_bytes
                 conn.settimeout(_left(deadline))
@@ -129,10 +149,18 @@ class KVFetcher:
             conn.sendall(b"ok\n")
 
 
+def _reason(exc: Exception) -> str:
+    """A failed fetch's reason for the request's answer: nothing of the network (a refused connection and an unknown
+    host are both "fetch_failed")."""
+    if isinstance(exc, KVTransferError):
+        return exc.reason
+    return "timed_out" if isinstance(exc, TimeoutError) else "fetch_failed"
+
+
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise KVTransferError("timed out")
+        raise KVTransferError("timed_out", "timed out")
     return left
 
 
@@ -141,5 +169,7 @@ def _read_exactly(reader, view: memoryview) -> None:
     while got < len(view):
         n = reader.readinto(view[got:])
         if not n:
-            raise KVTransferError(f"the producer closed the connection after {got} of {len(view)} bytes")
+            raise KVTransferError(
+                "fetch_failed", f"the producer closed the connection after {got} of {len(view)} bytes"
+            )
         got += n

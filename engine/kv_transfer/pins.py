@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenweir.engine.kv_transfer.layout import prompt_digest
-from tokenweir.engine.kv_transfer.params import producer_answer
+from tokenweir.engine.kv_transfer.params import RemotePrefill, producer_answer
+from tokenweir.engine.kv_transfer.trust import signed
 from tokenweir.engine.sched.sequence import Sequence
 
 
@@ -31,9 +32,10 @@ class Pin:
 
 
 class KVPins:
-    def __init__(self, timeout_s: float, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, timeout_s: float, on_change: Callable[[], None] = lambda: None, key: str | None = None) -> None:
         self.timeout_s = timeout_s
         self.on_change = on_change  # a pin became free to collect (the engine loop may be idle)
+        self.key = key  # the engines' shared key: the answers are signed with it (trust.py); None: unsigned
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self.num_expired = 0
@@ -52,7 +54,8 @@ class KVPins:
             return min((p.expires for p in self._pins.values()), default=None)
 
     def pin(self, seq: Sequence) -> Pin:
-        """Keep a finished sequence's blocks (engine thread), and give it the answer that says where to fetch them."""
+        """Keep a finished sequence's blocks (engine thread), and give it the answer that says where to fetch them,
+        signed with the engines' key if this engine has one."""
         assert not seq.is_prefilling, "a pin holds a computed prompt"
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         pin = Pin(
@@ -65,7 +68,8 @@ class KVPins:
         )
         with self._lock:
             self._pins[pin.transfer_id] = pin
-        seq.kv_transfer_params = producer_answer(*self.address, pin.transfer_id, pin.num_tokens)
+        remote = RemotePrefill(*self.address, pin.transfer_id, pin.num_tokens)
+        seq.kv_transfer_params = producer_answer(signed(remote, self.key, self.timeout_s))
         return pin
 
     def open(self, transfer_id: str) -> Pin | None:

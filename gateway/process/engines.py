@@ -5,7 +5,9 @@ gateway workers (`serve --workers N`) only point their pools at them. Torch-free
 Each start makes one random API key for its children (`engine_key`; TOKENWEIR_ENGINE_API_KEY in `serve`'s env
 chooses it instead): they get it in their env, not on their command line (`ps` shows argv to every local user), and
 the pool members that point at them send it. So a local process cannot be served by an engine directly, around
-admission and billing, nor abort another tenant's request.
+admission and billing, nor abort another tenant's request. Likewise one random KV transfer key per start
+(TOKENWEIR_KV_TRANSFER_KEY in `serve`'s env chooses it instead), in every child's env: the prefill engines sign their
+answers with it, and the decode engines fetch KV only from answers signed with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from tokenweir.common.engine_flags import API_KEY_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, parse_size
+from tokenweir.common.engine_flags import (
+    API_KEY_ENV,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KV_TRANSFER_KEY_ENV,
+    parse_size,
+)
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.gateway.config import BundledEngineConfig, GatewayConfig, PoolConfig, UpstreamConfig
 
@@ -79,7 +86,9 @@ def engine_key(ec: BundledEngineConfig) -> str:
 
 
 def engine_env(key: str) -> dict[str, str]:
-    return {**os.environ, API_KEY_ENV: key}
+    """The children's env, made once per start: their API key, and the KV transfer key they share."""
+    kv_key = os.environ.get(KV_TRANSFER_KEY_ENV) or secrets.token_hex(32)
+    return {**os.environ, API_KEY_ENV: key, KV_TRANSFER_KEY_ENV: kv_key}
 
 
 def give_key(config: GatewayConfig, urls: set[str], key: str) -> None:

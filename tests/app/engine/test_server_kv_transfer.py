@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.app.engine.test_server import greedy_reference, make_engine, serve, sse_events
+from tests.support.kv_transfer import KV_KEY
 from tests.support.tiny_llama import make_tiny_llama
 from tokenweir.engine.config import KVTransferConfig
 
@@ -21,7 +22,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def role(kv_role: str) -> dict:
-    return {"kv_transfer": KVTransferConfig(kv_role=kv_role)}
+    return {"kv_transfer": KVTransferConfig(kv_role=kv_role, transfer_key=KV_KEY)}
 
 
 async def test_prefill_hop_then_decode_hop_stream_one_engines_tokens(model_dir):

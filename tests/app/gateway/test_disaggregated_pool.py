@@ -18,6 +18,7 @@ import pytest
 
 from tests.app.engine.test_server import greedy_reference
 from tests.support.events import the_event
+from tests.support.kv_transfer import KV_KEY
 from tests.support.metrics import gateway_metrics
 from tests.support.raw_upstream import silent_port
 from tests.support.serve_thread import ServerThread, serve_app
@@ -36,7 +37,7 @@ PROMPT = [(11 * i + 5) % 250 + 2 for i in range(50)]
 def engine(model: str, role: str) -> LLMEngine:
     config = EngineConfig(
         model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", num_threads=1, dtype="float32",
-        kv_transfer=KVTransferConfig(kv_role=role),
+        kv_transfer=KVTransferConfig(kv_role=role, transfer_key=KV_KEY),
     )  # fmt: skip
     return LLMEngine(config)
 

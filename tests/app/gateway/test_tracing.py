@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from tests.support.events import the_event
+from tests.support.kv_transfer import KV_KEY
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.tiny_llama import add_byte_tokenizer, make_tiny_llama
 from tokenweir.engine.api import build_app
@@ -54,7 +55,8 @@ def stack(tmp_path_factory):
     model = add_byte_tokenizer(make_tiny_llama(str(tmp / "tiny"), seed=3, vocab_size=260, max_position_embeddings=512))
     config = EngineConfig(model=model, served_model_name="tiny", num_kv_blocks=64, quantization="none", dtype="float32")
     producer, consumer = (
-        replace(config, kv_transfer=KVTransferConfig(kv_role=r)) for r in ("kv_producer", "kv_consumer")
+        replace(config, kv_transfer=KVTransferConfig(kv_role=r, transfer_key=KV_KEY))
+        for r in ("kv_producer", "kv_consumer")
     )
     exporter = InMemorySpanExporter()
     engine_provider = TracerProvider()

@@ -3,7 +3,9 @@ engine B (kv_consumer) fetches that KV over TCP and decodes. B's greedy tokens e
 prompts, for 32 prompts (short, long, sharing prefixes, chat) batched together, with prefix-cache hits on A, n > 1
 (seeded sampling) and structured outputs. Every fault ends with the same tokens (B computes the prompt itself) and
 every KV block back in both pools: pins expired, a producer gone, a producer that never answers (timed out, and
-aborted mid-fetch), a prompt or a layout that differs. Requests for a hop an engine does not take are refused."""
+aborted mid-fetch), a prompt or a layout that differs. Requests for a hop an engine does not take are refused. The
+engines share a key (the producer signs its answers, the consumer fetches only signed ones): the faults' stand-ins
+sign the answers they redirect to themselves with it."""
 
 import json
 import os
@@ -15,6 +17,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
+from tests.support.kv_transfer import KV_KEY, redirected
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.core.errors import RequestError
@@ -54,7 +57,8 @@ def greedy(max_tokens: int = MAX_NEW, **kwargs) -> SamplingParams:
 
 
 def engine(role: str) -> LLM:
-    return LLM(default_model_path(), kv_transfer=KVTransferConfig(kv_role=role, fetch_timeout_s=5.0), **ENGINE)
+    kv_transfer = KVTransferConfig(kv_role=role, fetch_timeout_s=5.0, transfer_key=KV_KEY)
+    return LLM(default_model_path(), kv_transfer=kv_transfer, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -240,14 +244,14 @@ def test_a_producer_gone_or_hung_times_out_and_the_consumer_computes_the_prompt(
     prompts = fresh(PROMPTS[9:11], "gone")
     expected = run(producer, prompts, [greedy()] * 2)
     answers = prefill_hops(producer, prompts)
-    gone = [dict(a, remote_port=closed_port()) for a in answers]
+    gone = [redirected(a, closed_port()) for a in answers]
     assert recomputed(consumer, prompts, gone) == expected
     silent = SilentProducer()
     fetcher = consumer.engine.kv_fetcher
     fetcher.timeout_s = 0.5
     try:
         start = time.monotonic()
-        assert recomputed(consumer, prompts, [dict(a, remote_port=silent.port) for a in answers]) == expected
+        assert recomputed(consumer, prompts, [redirected(a, silent.port) for a in answers]) == expected
         assert time.monotonic() - start >= 0.5
     finally:
         fetcher.timeout_s = 5.0
@@ -303,7 +307,7 @@ def test_a_producer_cut_off_mid_transfer_leaves_the_prompt_to_the_consumer(produ
     cut = CutProducer(answers[0]["remote_port"], limit)
     try:
         received = consumer.engine.kv_fetched_bytes
-        assert recomputed(consumer, prompts, [dict(answers[0], remote_port=cut.port)]) == expected
+        assert recomputed(consumer, prompts, [redirected(answers[0], cut.port)]) == expected
         assert cut.relayed == [limit]
         assert consumer.engine.kv_fetched_bytes - received == 8 * block_bytes  # one group of 8 written, then the cut
     finally:
@@ -319,7 +323,7 @@ def test_a_request_aborted_mid_fetch_gives_its_blocks_back_once_the_fetch_stops(
     eng = consumer.engine
     eng.kv_fetcher.timeout_s = 0.5
     try:
-        params = decode_hop(greedy(), dict(answers[0], remote_port=silent.port))
+        params = decode_hop(greedy(), redirected(answers[0], silent.port))
         tokens = eng.tokenizer.encode(prompt)
         eng.validate(tokens, params)
         eng.add_request("aborted-mid-fetch", tokens, params)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 import structlog.testing
 
+from tokenweir.common.engine_flags import KV_TRANSFER_KEY_ENV
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import (
     BreakerConfig,
@@ -196,6 +197,16 @@ def test_prefill_engines_take_the_producer_role_and_the_rest_decode():
         PoolConfig(model="m", upstreams=[UpstreamConfig("http://127.0.0.1:1", role="prefill")])
     with pytest.raises(ValueError, match="our engines"):
         UpstreamConfig("http://127.0.0.1:1", role="decode", engine=False)
+
+
+def test_the_engines_of_one_start_share_a_fresh_kv_transfer_key_in_their_env(monkeypatch, tmp_path):
+    monkeypatch.delenv(KV_TRANSFER_KEY_ENV, raising=False)
+    first, second = (_replicas(tmp_path)[0] for _ in range(2))
+    key = first.supervisor.spawn_kwargs["env"][KV_TRANSFER_KEY_ENV]  # one env for every child, restarts included
+    assert len(key) == 64 and key != second.supervisor.spawn_kwargs["env"][KV_TRANSFER_KEY_ENV]
+    assert not any(key in arg for i in range(2) for arg in serve_engines.engine_cmd(first.ec, "", 8100, i))
+    monkeypatch.setenv(KV_TRANSFER_KEY_ENV, "chosen-by-the-operator-0123456789")  # engines of its own share it
+    assert serve_engines.engine_env("api")[KV_TRANSFER_KEY_ENV] == "chosen-by-the-operator-0123456789"
 
 
 def test_prefill_engines_flag(monkeypatch):
