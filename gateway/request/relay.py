@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -20,6 +21,7 @@ from starlette.types import Send
 
 from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.logging import get_logger
+from tokenweir.gateway.request.sse_reader import SSEReader
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient, request_json
 from tokenweir.gateway.upstream.client import Response as UpstreamResponse
@@ -150,13 +152,14 @@ async def call_json(
 
 
 class SSEStream:
-    """An open upstream SSE response, read event by event (each `data:` payload as bytes)."""
+    """An open upstream SSE response, read event by event (each `data:` payload as bytes), bounded and in linear time
+    (gateway/request/sse_reader.py: an event over its bound raises HTTPError, as a body cut short does)."""
 
     def __init__(self, response: UpstreamResponse) -> None:
         self.response = response
         self._raw = response.aiter_raw()
-        self._buf = b""
-        self._events: list[bytes] = []
+        self._reader = SSEReader()
+        self._events: deque[bytes] = deque()
 
     async def next(self, deadline: float | None = None) -> bytes | None:
         """The next data payload, None at the end of the body. TimeoutError past the deadline (if given)."""
@@ -169,13 +172,8 @@ class SSEStream:
                         chunk = await anext(self._raw)
             except StopAsyncIteration:
                 return None
-            self._buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
-            *complete, self._buf = self._buf.split(b"\n\n")
-            for event in complete:
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data:"):
-                        self._events.append(line[5:].strip())
-        return self._events.pop(0)
+            self._events.extend(self._reader.feed(chunk))
+        return self._events.popleft()
 
     @property
     def buffered(self) -> bool:

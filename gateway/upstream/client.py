@@ -17,8 +17,8 @@ tests/app/gateway/test_app_upstream_client.py and, through the gateway, test_app
   dropped before anything is written to it (`_Connector`): they are never read as the next answer. Bytes past a
   response's framing fail that response (llhttp reads them as the next status line) and close the socket.
 - Interim 1xx answers are skipped; 204, 304 and answers to HEAD have no body; redirects are not followed.
-- Malformed answers (bad chunk sizes, oversized or too many headers, bad Content-Length, a body cut short) and
-  refused or reset connections raise HTTPError, never a hang.
+- Malformed answers (bad chunk sizes, oversized or too many headers, bad Content-Length, a body cut short, a body
+  `read` whole past MAX_BODY_BYTES) and refused or reset connections raise HTTPError, never a hang.
 - Proxies (trust_env, the default): HTTP_PROXY / HTTPS_PROXY / NO_PROXY, either case, read once when the client is
   made as urllib.request reads them. An http:// target goes through the proxy in absolute form, an https:// one
   through a CONNECT tunnel with TLS to the target inside. Only http:// proxies; user:pass in the proxy URL is sent
@@ -55,6 +55,11 @@ _MAX_DROPPED = 32
 _FAILURES = (aiohttp.ClientError, HttpProcessingError, OSError)
 # Reading a body whose socket the client's aclose() closed raises aiohttp's RuntimeError("Connection closed.").
 _BODY_FAILURES = (*_FAILURES, RuntimeError)
+# The longest body `Response.read` takes (a non-stream answer, an error body, a control call's JSON): what an upstream
+# that never stops sending can cost in memory. Text alone stays far below it (millions of tokens); with top-20
+# logprobs on every token (about 1.2 KB each) an answer reaches it past ~50k tokens in all choices together, which is
+# what a stream is for. A stream is read event by event, each with its own bound (gateway/request/sse_reader.py).
+MAX_BODY_BYTES = 64 << 20
 
 
 class HTTPError(Exception):
@@ -106,11 +111,21 @@ class Response:
         self.status_code = resp.status
         self.headers = resp.headers
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; HTTPError past `max_bytes` (default MAX_BODY_BYTES), as soon as it says or reads more."""
+        limit = MAX_BODY_BYTES if max_bytes is None else max_bytes
+        length = self._resp.content_length
+        if length is not None and length > limit:
+            raise HTTPError(f"{self._where}: a response body of {length} bytes, over the bound of {limit}")
+        content, body = self._resp.content, bytearray()
         try:
-            return await self._resp.read()
+            while data := await content.readany():
+                body += data
+                if len(body) > limit:
+                    raise HTTPError(f"{self._where}: a response body over the bound of {limit} bytes")
         except _BODY_FAILURES as e:
             raise HTTPError(f"{self._where}: bad response body: {type(e).__name__}: {e}") from e
+        return bytes(body)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed, nothing decoded)."""
