@@ -119,6 +119,8 @@ class _SamplingRequest(BaseModel):
     # vLLM's disaggregated prefill: {"do_remote_decode": true} on a prefill hop (its response answers where the
     # prompt's KV waits), that answer on the decode hop
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the prefix cache is shared only among requests with the same salt (the gateway sets it per team)
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,6 +162,7 @@ class _SamplingRequest(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             speculative=self.speculative,
             kv_transfer_params=self.kv_transfer_params,
+            cache_salt=self.cache_salt,
             **self.extra_sampling(),
         )
 

@@ -1,10 +1,12 @@
 """Paged KV-cache bookkeeping: a fixed pool of blocks, per-sequence block tables, ref counts, and a prefix cache.
 
 Prefix cache: every full block is keyed by chain(parent_hash, its tokens) (common/text/prefix_hash.py: the gateway's
-router computes the same chain), so a key names the whole prefix up to and including that block. A hit is confirmed
-by comparing tokens (a hash collision must never serve wrong K/V). Blocks whose ref count drops to zero stay in the
-cache but sit on the free list in LRU order, so they are reused by new requests until the space is needed, then
-evicted oldest first. Evictions go to `log` (engine/sched/stats.py PrefixCacheLog), which GET /load serves to routers.
+router computes the same chain), so a key names the whole prefix up to and including that block; the first block's
+parent is the sequence's `hash_root`, drawn from its cache_salt, so a salted prompt shares blocks only within its
+salt (fetched blocks too: a decode hop's are registered by its own chain). A hit is confirmed by comparing tokens (a
+hash collision must never serve wrong K/V). Blocks whose ref count drops to zero stay in the cache but sit on the
+free list in LRU order, so they are reused by new requests until the space is needed, then evicted oldest first.
+Evictions go to `log` (engine/sched/stats.py PrefixCacheLog), which GET /load serves to routers.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent = seq.hash_root
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -148,7 +150,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain(parent, tokens)
             block = self.blocks[seq.block_table[i]]

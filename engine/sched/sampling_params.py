@@ -29,6 +29,9 @@ class SamplingParams:
     # disaggregated prefill (engine/kv_transfer/params.py): {"do_remote_decode": true} on a prefill hop, the
     # producer's answer on the decode hop
     kv_transfer_params: dict | None = None
+    # vLLM's cache_salt: the prefix cache's blocks of a salted request are found only by requests with the same salt
+    # (common/text/prefix_hash.py), so tenants cannot see each other's hits; the gateway sets one per team
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +39,8 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
                 raise ValueError(f"{name} must be in [0, 20], got {getattr(self, name)}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from tokenweir.common.text.prefix_hash import root
 from tokenweir.engine.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # structured.py pulls in llguidance and torch; a sequence only holds its matcher
@@ -61,6 +62,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first scheduling
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
+        self.hash_root = root(params.cache_salt)  # the chain's first parent: a salt's own prefix cache
         self.finish_reason: str | None = None  # stop | length | abort | error
         self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
         self.num_preemptions = 0

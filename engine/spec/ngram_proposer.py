@@ -21,7 +21,7 @@ _WIDTH = 4  # bytes per packed token
 
 class NgramProposer:
     """Prompt lookup; with method "ngram_cache", where the sequence itself has no match, the n-gram cache learned
-    from finished requests' outputs (engine/spec/ngram_cache.py)."""
+    from finished requests' outputs of the same cache_salt (engine/spec/ngram_cache.py)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.method in ("ngram", "ngram_cache")
@@ -37,7 +37,7 @@ class NgramProposer:
         was cut short."""
         if self.cache is not None and seq.num_output_tokens and seq.finish_reason in ("stop", "length"):
             start = max(0, seq.num_prompt_tokens - self.config.prompt_lookup_max)
-            self.cache.learn(seq.token_ids[start:])
+            self.cache.learn(seq.token_ids[start:], seq.params.cache_salt)
 
     def propose_batch(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Drafts for each (sequence, most drafts it may take)."""
@@ -56,7 +56,7 @@ class NgramProposer:
         packed.extend(seq.token_ids[len(packed) :])
         drafts = self._lookup(packed.tobytes(), len(packed), k)
         if not drafts and self.cache is not None:
-            drafts = self.cache.draft(seq.token_ids, k)
+            drafts = self.cache.draft(seq.token_ids, k, seq.params.cache_salt)
         return drafts
 
     def _lookup(self, data: bytes, num_tokens: int, k: int) -> list[int]:
