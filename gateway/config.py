@@ -7,7 +7,8 @@ JSON: `TOKENWEIR_ENGINE__EXTRA_ARGS='["--max-num-seqs","8"]'`, `TOKENWEIR_POOLS=
 (+ `TOKENWEIR_UPSTREAM_MODEL`, and `TOKENWEIR_UPSTREAM_TOKENIZER`: a GGUF path or "default" for exact counts).
 
 Strict both ways: an unknown key in the file, or a `TOKENWEIR_*` env var that names no setting (and is not one of
-`OTHER_ENV`), is an error naming it and the closest valid name; a boolean is one of true/false/1/0/yes/no/on/off.
+`OTHER_ENV`, nor a member's key, TOKENWEIR_MEMBER_KEY_*), is an error naming it and the closest valid name; a boolean
+is one of true/false/1/0/yes/no/on/off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import difflib
 import hashlib
 import ipaddress
 import os
+import re
 import tomllib
 import types
 import typing
@@ -27,6 +29,7 @@ from typing import TypeVar
 import orjson
 import yaml
 
+from tokenweir.common.engine_flags import API_KEY_ENV
 from tokenweir.common.http.door_limits import HttpLimits
 from tokenweir.common.tracing import EXPORTERS, exporter_error
 from tokenweir.policies.pricing import Prices, price_error
@@ -34,6 +37,7 @@ from tokenweir.policies.routing import RouteParams
 
 T = TypeVar("T")
 ENV_PREFIX = "TOKENWEIR_"
+CACHE_SCOPES = ("team", "key", "shared")  # PoolConfig.cache_scope
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
 OTHER_ENV = frozenset(
     {
@@ -46,6 +50,10 @@ OTHER_ENV = frozenset(
         "TOKENWEIR_ENGINE_API_KEY",  # the engine's --api-key (engine/flags.py)
     }
 )
+# The env variables a member's `api_key_env` may name: the gateway sends that variable's value to the member's
+# address, so never one of its own secrets (its admin key, its store's password). Those named with this prefix, the
+# engines' key (TOKENWEIR_ENGINE_API_KEY), and those the config lists in `api_key_envs` (member_key_env_error).
+MEMBER_KEY_PREFIX = "TOKENWEIR_MEMBER_KEY_"
 _TRUE = ("true", "1", "yes", "on")
 _STRICT = {"extra": "forbid"}  # pydantic's config for the sections the admin API reads (pools, aliases)
 _FOREVER_S = 10 * 86400.0  # a timeout or backoff longer than this is a mistake
@@ -62,7 +70,8 @@ class UpstreamConfig:
     name: str = ""
     # Sent as 'Authorization: Bearer <api_key>' on every call: requests, /abort, /load and /v1/models polls.
     api_key: str | None = field(default=None, repr=False)
-    # Or the name of an env variable that holds it (read at load_config), to keep the key out of the config file.
+    # Or the name of an env variable that holds it (read at load_config), to keep the key out of the config file:
+    # TOKENWEIR_MEMBER_KEY_<NAME>, TOKENWEIR_ENGINE_API_KEY, or one listed in the gateway's `api_key_envs`.
     api_key_env: str | None = None
     model: str | None = None  # the upstream's own model name, if it differs from the pool's public name
     engine: bool = True  # ours: poll /load, ask for continuous usage, POST /abort on cancel
@@ -115,9 +124,10 @@ class PoolConfig:
     # Pools with a longer context, tried in order for a prompt that does not fit this pool's (instead of a 400
     # context_length_exceeded): the first whose context fits it serves the request (LiteLLM's name).
     context_window_fallbacks: list[str] = field(default_factory=list)
-    # Shadow traffic: this fraction of the pool's chats and completions is also sent to the pool `shadow_pool`,
-    # fire-and-forget (never waited on, never failing or slowing the request; at most SHADOWS_IN_FLIGHT at once per
-    # process), billed to no team: its usage and latency go to the tokenweir_gateway_shadow_* metrics only.
+    # Shadow traffic: this fraction of the pool's chats and completions is also sent to the pool `shadow_pool` once
+    # answered, non-stream, asking at most the output tokens the request was billed (gateway/request/shadow.py), at
+    # priority 2 (batch); never waited on, never failing or slowing the request; at most SHADOWS_IN_FLIGHT at once per
+    # shadow pool per process; billed to no team: its usage and latency go to the tokenweir_gateway_shadow_* metrics.
     shadow_pool: str | None = None
     shadow_fraction: float = 0.0
     tokenizer: str | None = None  # the served model's GGUF ("default": the bundled SmolLM2): exact; else estimate
@@ -153,6 +163,9 @@ class PoolConfig:
     price_cached_per_1m: float | None = None
     # Whether the pool serves /v1/embeddings. None: yes for a pool of external members only (our engine has none).
     embeddings: bool | None = None
+    # Whose requests share the upstreams' prefix caches (gateway/request/cache_scope.py: the cache_salt each chat and
+    # completion is sent with): "team" (a team's own), "key" (an API key's own), "shared" (no salt: everyone's).
+    cache_scope: str = "team"
 
     __pydantic_config__ = _STRICT
 
@@ -190,6 +203,8 @@ class PoolConfig:
                 raise ValueError(f"pool {self.model}: {name}: {error}")
         if self.prefix_index_entries < 1:
             raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
+        if self.cache_scope not in CACHE_SCOPES:
+            raise ValueError(f"pool {self.model}: cache_scope must be one of {', '.join(CACHE_SCOPES)}")
 
     def route_params(self, block_size: int = 16) -> RouteParams:
         """The routing policy's parameters (validated there) for a pool whose engines cache blocks of `block_size`."""
@@ -439,7 +454,8 @@ class AliasConfig:
     """A public model name served by weighted variants (A/B tests, canaries), each a pool. A request's variant is
     sticky per `sticky` subject: "key" (the API key), "user" (the request's `user` field, else the key), or
     "header:NAME" (that request header's value, else the key). The header `x-tokenweir-variant: NAME` picks a
-    variant outright (for testing one)."""
+    variant outright, for a key the admin allows to (`may_pick_variant`; testing one, a dark one included); a
+    rollout does not judge the requests it picks (gateway/request/variant_choice.py)."""
 
     model: str
     variants: list[VariantConfig] = field(default_factory=list)
@@ -499,10 +515,23 @@ class GatewayConfig:
     access_log: bool = False
     # /metrics lists team ids and budgets: when set, a scrape needs `Authorization: Bearer <metrics_token>`.
     metrics_token: str | None = None
+    # Env variables a member's api_key_env may name besides TOKENWEIR_MEMBER_KEY_* and TOKENWEIR_ENGINE_API_KEY
+    # (e.g. [OPENAI_API_KEY]): the gateway sends their values to members' addresses. Never a TOKENWEIR_* name.
+    api_key_envs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("workers: at least 1")
+        for name in self.api_key_envs:
+            if not _ENV_NAME.fullmatch(name) or name.startswith(ENV_PREFIX):
+                raise ValueError(
+                    f"api_key_envs: {name!r} is not an env variable a member's key may be read from (letters, digits "
+                    f"and _, not a gateway's own {ENV_PREFIX}* name: name a key {MEMBER_KEY_PREFIX}<NAME> instead)"
+                )
+        for pool in self.pools:
+            for upstream in pool.upstreams:
+                if upstream.api_key_env and (error := member_key_env_error(upstream.api_key_env, self.api_key_envs)):
+                    raise ValueError(f"pool {pool.model}, upstream {upstream.name}: {error}")
         if not 0 <= self.prefix_index_sync_s < _FOREVER_S:
             raise ValueError(f"prefix_index_sync_s: seconds >= 0 (0: off), got {self.prefix_index_sync_s!r}")
         if (error := routes_error(self.pools, self.aliases)) is not None:
@@ -515,6 +544,21 @@ class GatewayConfig:
 def _plain(text: str) -> bool:
     """No control characters (names end up in logs, metric labels and a database that refuses NUL)."""
     return not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def member_key_env_error(name: str, listed: list[str]) -> str | None:
+    """Why a member's api_key_env may not name `name` (the gateway would send that variable's value to the member's
+    address: its own admin key, its store's password), or None: names with MEMBER_KEY_PREFIX, the engines' key, and
+    those `listed` (the config's api_key_envs) are members' keys."""
+    if (name.startswith(MEMBER_KEY_PREFIX) and len(name) > len(MEMBER_KEY_PREFIX)) or name in (API_KEY_ENV, *listed):
+        return None
+    return (
+        f"api_key_env {name} is not a member's key: it must be named {MEMBER_KEY_PREFIX}<NAME> or {API_KEY_ENV} (the "
+        f"engines' key), or be listed in the gateway config's api_key_envs (to allow {name}, add it there)"
+    )
 
 
 def routes_error(pools: list[PoolConfig], aliases: list[AliasConfig]) -> str | None:
@@ -586,7 +630,7 @@ def _merge_env(data: dict, env) -> None:
     """Env overrides into the file's data, coerced here so that errors name the variable."""
     names = env_names()
     for key, raw in sorted(env.items()):
-        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV or key.startswith("TOKENWEIR_TEST_"):
+        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV or key.startswith(("TOKENWEIR_TEST_", MEMBER_KEY_PREFIX)):
             continue
         if key not in names:
             close = difflib.get_close_matches(key, [*names, *OTHER_ENV], n=1, cutoff=0.6)

@@ -97,6 +97,20 @@ class Window:
         return Summary(n, errors / n if n else 0.0, p95(ttfts, least), p95(tpots, least))
 
 
+def judged(status: str, http_status: int, served_by_variant: bool) -> bool | None:
+    """How a finished request of a variant counts in its window, from what the variant's upstream did: True, it
+    served it; False, it failed it (a 5xx, no instance of it answered, a timeout, or another pool had to serve it);
+    None, it says nothing of the variant: refused by the gateway before the variant's upstream saw it (its own 4xx:
+    rate, budget, bad input, too long; or 503 with no instance to try), a client error the upstream answered with a
+    4xx, or cancelled. A request's outcome is gateway/request/outcome.py's (status: ok | rejected | error | timeout |
+    cancelled)."""
+    if status == "ok":
+        return served_by_variant
+    if status == "timeout" or (status == "error" and http_status >= 500):
+        return False
+    return None
+
+
 def p95(values: list[float], min_count: int) -> float | None:
     """The nearest-rank 95th percentile, or None under `min_count` values (too few to judge by)."""
     if len(values) < max(1, min_count):

@@ -19,7 +19,16 @@ from tokenweir.gateway.admin.common import (
     store_of,
     team_or_404,
 )
-from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, KeyCreate, KeyCreated, KeyLimitsBody, KeyList, KeyOut
+from tokenweir.gateway.admin.models import (
+    ID_DOC,
+    ID_PATTERN,
+    KeyCreate,
+    KeyCreated,
+    KeyLimitsBody,
+    KeyList,
+    KeyOut,
+    KeyUpdate,
+)
 from tokenweir.gateway.server.services import Services, ServicesDep
 
 KeyId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="The key's id. " + ID_DOC)]
@@ -36,7 +45,14 @@ router = APIRouter(route_class=OpenAIErrorRoute)
 async def create_team_key(team_id: TeamId, body: KeyCreate, services: ServicesDep) -> KeyCreated:
     limits = body.limits.to_limits() if body.limits is not None else None
     store = store_of(services)
-    secret, key = await store_call(store.create_key, team_id, body.name, expires_at=body.expiry(), limits=limits)
+    secret, key = await store_call(
+        store.create_key,
+        team_id,
+        body.name,
+        expires_at=body.expiry(),
+        limits=limits,
+        may_pick_variant=body.may_pick_variant,
+    )
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
 
 
@@ -50,6 +66,8 @@ async def list_team_keys(team_id: TeamId, services: ServicesDep) -> KeyList:
 async def create_admin_key(body: KeyCreate, services: ServicesDep) -> KeyCreated:
     if body.limits is not None:
         raise _admin_key_limits()
+    if body.may_pick_variant:
+        raise _admin_key_variants()
     store = store_of(services)
     secret, key = await store_call(store.create_key, None, body.name, is_admin=True, expires_at=body.expiry())
     return KeyCreated(secret=secret, **KeyOut.of(key).model_dump())
@@ -74,6 +92,28 @@ async def revoke_key(key_id: KeyId, services: ServicesDep) -> KeyOut:
     key = await store_call(store_of(services).revoke_key, key_id)
     invalidate_auth_cache(services)
     return KeyOut.of(key)
+
+
+@router.patch(
+    "/keys/{key_id}",
+    summary="Change a team key's permissions (may_pick_variant; takes effect within ~1 s on every replica)",
+    responses={404: error_doc("No such key.")},
+)
+async def update_key(key_id: KeyId, body: KeyUpdate, services: ServicesDep) -> KeyOut:
+    if (await _key_or_404(services, key_id)).team_id is None:
+        raise _admin_key_variants()
+    key = await store_call(store_of(services).update_key, key_id, may_pick_variant=body.may_pick_variant)
+    invalidate_auth_cache(services)
+    return KeyOut.of(key)
+
+
+def _admin_key_variants() -> APIError:
+    return APIError(
+        400,
+        "Invalid 'may_pick_variant': admin keys belong to no team and make no inference calls; set it on a team key.",
+        "invalid_value",
+        param="may_pick_variant",
+    )
 
 
 def _admin_key_limits() -> APIError:

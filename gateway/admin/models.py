@@ -173,6 +173,12 @@ def _sane_expiry(value: datetime | None) -> datetime | None:
     return value
 
 
+MAY_PICK_VARIANT_DOC = (
+    "The key may pick an alias's variant with the x-tokenweir-variant header, a variant of weight 0 included (to "
+    "test one); such requests are not judged by a rollout. Without it the header is refused (403)."
+)
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(
@@ -188,6 +194,7 @@ class KeyCreate(BaseModel):
         None, gt=0, le=MAX_KEY_LIFETIME_S, description="Alternative to expires_at: lifetime in seconds (<= 100 years)."
     )
     limits: KeyLimitsBody | None = Field(None, description="The key's own limits (team keys only).")
+    may_pick_variant: bool = Field(False, description=MAY_PICK_VARIANT_DOC + " Team keys only.")
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -199,6 +206,13 @@ class KeyCreate(BaseModel):
         if self.expires_in_s is not None:
             return datetime.now(UTC) + timedelta(seconds=self.expires_in_s)
         return self.expires_at
+
+
+class KeyUpdate(BaseModel):
+    """A team key's permissions; an omitted field stays as it is."""
+
+    model_config = ConfigDict(extra="forbid")
+    may_pick_variant: bool | None = Field(None, description=MAY_PICK_VARIANT_DOC)
 
 
 class KeyOut(BaseModel):
@@ -213,6 +227,7 @@ class KeyOut(BaseModel):
     expires_at: str | None
     revoked_at: str | None
     limits: KeyLimitsBody | None = Field(None, description="Its own limits; null: only its team's apply.")
+    may_pick_variant: bool = Field(description=MAY_PICK_VARIANT_DOC)
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:

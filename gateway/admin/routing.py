@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.common import OpenAIErrorRoute, error_doc, store_call, store_of
 from tokenweir.gateway.admin.models import PLAIN_TEXT_PATTERN
-from tokenweir.gateway.config import AliasConfig, PoolConfig, UpstreamConfig, routes_error
+from tokenweir.gateway.config import AliasConfig, PoolConfig, UpstreamConfig, member_key_env_error, routes_error
 from tokenweir.gateway.server.services import Services, ServicesDep
 from tokenweir.gateway.store.routing import RoutingEntry, VersionConflict
 from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, Instance, Pool
@@ -46,7 +46,13 @@ class MemberChange(BaseModel):
     draining: bool | None = Field(default=None, description="True: no new requests; those it serves finish.")
     revision: str | None = Field(default=None, max_length=256, pattern=PLAIN_TEXT_PATTERN)
     model: str | None = Field(default=None, max_length=256, pattern=PLAIN_TEXT_PATTERN)
-    api_key_env: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    api_key_env: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="An env variable marked as a member's key: TOKENWEIR_MEMBER_KEY_<NAME>, TOKENWEIR_ENGINE_API_KEY, "
+        "or one the config lists in api_key_envs.",
+    )
 
 
 # --- reads ----------------------------------------------------------------------------------------------------
@@ -172,7 +178,9 @@ def check_same_model(in_body: str, in_path: str) -> None:
         raise APIError(400, f"The body's model {in_body!r} is not the path's {in_path!r}.", "invalid_value", "model")
 
 
-def check_keys(upstreams: list[UpstreamConfig]) -> None:
+def check_keys(upstreams: list[UpstreamConfig], listed: list[str]) -> None:
+    """Members' keys come from env variables marked as members' keys (`listed`: the config's api_key_envs), never in
+    the body, and never from another of the gateway's variables: its value would be sent to the member's address."""
     for u in upstreams:
         if u.api_key is not None:
             raise APIError(
@@ -182,6 +190,8 @@ def check_keys(upstreams: list[UpstreamConfig]) -> None:
                 "invalid_value",
                 param="api_key",
             )
+        if u.api_key_env and (error := member_key_env_error(u.api_key_env, listed)) is not None:
+            raise APIError(400, f"{error[0].upper()}{error[1:]}.", "invalid_value", param="api_key_env")
         if u.api_key_env and not os.environ.get(u.api_key_env):
             raise APIError(
                 400, f"api_key_env {u.api_key_env} is not set on this replica.", "invalid_value", "api_key_env"
@@ -190,7 +200,7 @@ def check_keys(upstreams: list[UpstreamConfig]) -> None:
 
 @router.post("/pools/{model:path}/members", status_code=201, summary="Add a member", responses=_CONFLICT)
 async def add_member(model: ModelPath, body: UpstreamConfig, services: ServicesDep) -> dict:
-    check_keys([body])
+    check_keys([body], services.config.api_key_envs)
 
     def make(composed: Composed) -> dict:
         pool = stored_pool(composed, model)
@@ -221,7 +231,7 @@ async def change_member(model: ModelPath, name: MemberName, body: MemberChange, 
         upstreams = list(pool.upstreams)
         i = _member_index(pool, name)
         upstreams[i] = dataclasses.replace(upstreams[i], **changes)
-        check_keys([dataclasses.replace(upstreams[i], api_key=None)])
+        check_keys([dataclasses.replace(upstreams[i], api_key=None)], services.config.api_key_envs)
         return pool_body(dataclasses.replace(pool, upstreams=upstreams))
 
     await change(services, "pool", model, make)
@@ -247,7 +257,7 @@ async def get_pool(model: ModelPath, services: ServicesDep) -> dict:
 @router.put("/pools/{model:path}", summary="Create or replace a pool", responses=_CONFLICT)
 async def put_pool(model: ModelPath, body: PoolConfig, services: ServicesDep) -> dict:
     check_same_model(body.model, model)
-    check_keys(body.upstreams)
+    check_keys(body.upstreams, services.config.api_key_envs)
     await change(services, "pool", model, lambda _: pool_body(body))
     return pool_out(services, pool_or_404(services, model))
 

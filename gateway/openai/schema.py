@@ -77,6 +77,9 @@ Priority = Annotated[
 # Candidates generated server-side per prompt (the upstream bills every one), of which n are returned. Typed on chat
 # too: vLLM's chat endpoint takes it, and an untyped value would reach the reservation unchecked.
 BestOf = Annotated[int, between(0, 20, "Candidates generated per prompt; output is reserved for them all.")]
+# vLLM's: narrows the prefix cache the request may share; mixed into the gateway's salt of the pool's cache_scope
+# (gateway/request/cache_scope.py), never replacing it
+CacheSalt = Annotated[str, Field(min_length=1, description="Shares cached prompt prefixes only with this salt's.")]
 
 
 @with_config(STRICT)
@@ -99,6 +102,7 @@ class _Body(TypedDict, total=False):
     frequency_penalty: Penalty | None
     logit_bias: LogitBias | None
     priority: Priority
+    cache_salt: CacheSalt | None
 
 
 @with_config(STRICT)

@@ -19,18 +19,19 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig
-from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
+from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
 from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
+from tokenweir.gateway.request.shadow import ShadowMirror
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
-from tokenweir.gateway.upstream.pools import Hop, Pool, Upstreams
+from tokenweir.gateway.upstream.pools import Hop, Upstreams
 
 MEMBER_FULL = "its member serves max_parallel_requests already"  # try_hop's answer for a hop it did not try
-SHADOWS_IN_FLIGHT = 64  # mirrored requests out at once, per process: past it a sampled request is not mirrored
 
 
 class Dispatcher:
@@ -44,7 +45,7 @@ class Dispatcher:
             metrics,
             settler,
         )
-        self.shadows_in_flight = 0
+        self.shadow = ShadowMirror(config, client, metrics, settler.members, settler.background)
 
     def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
@@ -56,11 +57,12 @@ class Dispatcher:
             token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
             if token_ids and ctx.kind == "chat":
                 head = head_tokens(pool.cfg.tokenizer, ctx.body, token_ids)
-        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes, head)
+        salt = request_salt(ctx, target)  # the engine keys its cache by it: the index must too
+        hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes, head, salt)
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         elif pool.prefill_members:
-            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids, ctx.routes, head)
+            ctx.prefill_hops, _ = self.upstreams.prefill_route(target, token_ids, ctx.routes, head, salt)
         ctx.route_reason = why.as_dict()
         if ctx.context_fallback is not None:
             ctx.route_reason["context_window_fallback"] = ctx.context_fallback
@@ -74,7 +76,7 @@ class Dispatcher:
         failed before its first byte. A stream's response carries the request's `end` (its body settles the
         request); any other answer, or an exception, leaves the end to the handler."""
         hops, hashes = self.route(ctx)
-        self.maybe_shadow(ctx)
+        end.on_settled = self.shadow.sample(ctx)  # a mirror, sent once the request has ended and been billed
         if ctx.prefill_hops:
             await self.prefill(ctx, hashes)
             if ctx.stream and asyncio.get_running_loop().time() >= self.first_token_deadline(ctx):
@@ -112,65 +114,6 @@ class Dispatcher:
             "upstream_unavailable",
             headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
         )
-
-    def maybe_shadow(self, ctx: RequestContext) -> None:
-        """Mirror the request to its pool's shadow pool, if it is in the sampled fraction: in the background, and
-        only while fewer than SHADOWS_IN_FLIGHT mirrors are out (past that, dropped: counted, never queued)."""
-        pool = ctx.pools[ctx.model].cfg
-        if pool.shadow_pool is None or ctx.kind == "embeddings" or random.random() >= pool.shadow_fraction:
-            return
-        if self.shadows_in_flight >= SHADOWS_IN_FLIGHT:
-            self.metrics.shadow_requests.labels(ctx.model, pool.shadow_pool, "dropped").inc()
-            return
-        body = {k: v for k, v in ctx.body.items() if k not in ("stream", "stream_options")}
-        self.shadows_in_flight += 1
-        self.settler.background.spawn(self.shadow(ctx.model, ctx.pools, ctx.kind, body))
-
-    async def shadow(self, model: str, pools: dict[str, Pool], kind: InferenceKind, body: dict) -> None:
-        """One mirrored request, non-stream, under the pool's total timeout; what it made is counted in the
-        shadow metrics only."""
-        status, started = "error", time.perf_counter()
-        shadow = pools[model].cfg.shadow_pool
-        assert shadow is not None  # maybe_shadow mirrors only to one
-        members = pools[shadow].ranked(time.monotonic())
-        hop = Hop(shadow, members[0], shadow) if members else None
-        member, lease = "", None
-        try:
-            if hop is None:
-                return  # every member's circuit is open
-            cap = hop.instance.cfg.max_parallel_requests
-            if cap is not None:  # a mirror never waits for a member, nor pushes one past its cap
-                member = hop.instance.cfg.base_url
-                lease = await self.settler.members.take(member, cap)
-                if lease is None:
-                    status = "dropped"
-                    return
-            hop.instance.take(time.monotonic())
-            deadline = asyncio.get_running_loop().time() + self.pool_timeouts(pools[model].cfg)[1]
-            ok = False
-            try:
-                answer, _ = await relay.call_json(
-                    self.client, hop, KIND_PATHS[kind], body, "tw-shadow-" + random_hex(), deadline
-                )
-                ok, status = True, "ok"
-            except TimeoutError:
-                status = "timeout"
-            except (relay.UpstreamFailed, relay.UpstreamRejected):
-                pass
-            finally:
-                hop.instance.done(ok, time.monotonic())
-            self.metrics.shadow_e2e.labels(model, shadow).observe(time.perf_counter() - started)
-            usage = answer.get("usage") if ok else None
-            if isinstance(usage, dict):
-                for key in ("prompt_tokens", "completion_tokens"):
-                    tokens = usage.get(key)
-                    if type(tokens) is int and tokens > 0:
-                        self.metrics.shadow_tokens.labels(model, shadow, key.removesuffix("_tokens")).inc(tokens)
-        finally:
-            if lease is not None:
-                await self.settler.members.give_back(member, lease)
-            self.shadows_in_flight -= 1
-            self.metrics.shadow_requests.labels(model, shadow, status).inc()
 
     async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
         """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it);
@@ -369,12 +312,12 @@ class Dispatcher:
         return not team_limit or team_limit >= pool_limit
 
     def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
+        body = with_salt(ctx.body, request_salt(ctx, hop.model))  # whose prefix cache it may use: its pool's scope
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
-            body = {**ctx.body, "priority": ctx.priority}
+            body["priority"] = ctx.priority
             if self.takes_kv(ctx, hop):
                 body["kv_transfer_params"] = ctx.kv_transfer_params  # where the prefill member keeps the prompt's KV
-            return body
-        return ctx.body
+        return body
 
     async def call(self, ctx: RequestContext, hop: Hop) -> Response:
         _, total = self.timeouts(ctx)

@@ -28,7 +28,9 @@ TEAM_SELECT = (
     f"SELECT t.id, t.name, t.enabled, t.created_at, {', '.join('l.' + c for c in LIMIT_COLUMNS)}"
     " FROM teams t LEFT JOIN team_limits l ON l.team_id = t.id"
 )
-KEY_COLUMNS = "k.id, k.team_id, k.name, k.prefix, k.is_admin, k.created_at, k.expires_at, k.revoked_at"
+KEY_COLUMNS = (
+    "k.id, k.team_id, k.name, k.prefix, k.is_admin, k.created_at, k.expires_at, k.revoked_at, k.may_pick_variant"
+)
 KEY_SELECT = (
     f"SELECT {KEY_COLUMNS}, l.key_id, {', '.join('l.' + c for c in KEY_LIMIT_COLUMNS)}"
     " FROM api_keys k LEFT JOIN key_limits l ON l.key_id = k.id"
@@ -55,6 +57,8 @@ class ApiKey:
     expires_at: str | None
     revoked_at: str | None
     limits: KeyLimits | None = None  # its own limits, enforced together with its team's; None: the team's only
+    # It may pick an alias's variant with the x-tokenweir-variant header (migration 0006; the admin grants it)
+    may_pick_variant: bool = False
 
     def is_expired(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and parse_ts(self.expires_at) <= (now or datetime.now(UTC))
@@ -99,7 +103,8 @@ def key_from_row(row: tuple) -> ApiKey:
         created_at=row[5],
         expires_at=row[6],
         revoked_at=row[7],
-        limits=key_limits_from_row(row[8:]) if len(row) > 8 and row[8] is not None else None,
+        may_pick_variant=bool(row[8]),
+        limits=key_limits_from_row(row[9:]) if len(row) > 9 and row[9] is not None else None,
     )
 
 

@@ -231,24 +231,30 @@ class Pool:
         return sizes.pop() if len(sizes) == 1 else None
 
     def route(
-        self, now: float, token_ids: list[int] | None, prefill: bool = False, head: int = 0
+        self, now: float, token_ids: list[int] | None, prefill: bool = False, head: int = 0, salt: str | None = None
     ) -> tuple[list[Instance], routing.RouteReason, list[int]]:
         """The pool's instances in the order to try them (its prefill members with `prefill`, else the others), why
         the first, and the prompt's block hashes (empty when the decision did not use them). `head`: the prompt's
-        leading tokens before its first user turn (a chat's system part; 0: none), which choose its home."""
+        leading tokens before its first user turn (a chat's system part; 0: none), which choose its home. `salt`: the
+        request's cache_salt, which the engine's hashes start from (gateway/request/cache_scope.py)."""
         members = self.prefill_members if prefill else self.serving
         strategy, hashes, hits = self.cfg.strategy, [], {}
         block_size = self.block_size() if strategy == "prefix" and token_ids else None
         if block_size is not None:
             assert token_ids  # a block size is looked up only for them
             # the engine looks up at most (n - 1) // block_size blocks (the last token is always computed)
-            hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=(len(token_ids) - 1) // block_size)
+            most = (len(token_ids) - 1) // block_size
+            hashes = prefix_hash.block_hashes(token_ids, block_size, max_blocks=most, salt=salt)
             hits = self.index.match(hashes)
         cands = [i.candidate(i.available(now), hits.get(i.name, 0)) for i in members]
         home_depth, home_key = 0, None
-        if block_size is not None and head > 0:
-            assert token_ids
-            home_depth, home_key = head // block_size, hash(tuple(token_ids[:head]))  # ints: the same in every process
+        if hashes:
+            assert token_ids and block_size is not None
+            # A home is chosen by the prompt alone, whatever its salt (its unsalted first block, or system part; ints:
+            # the same in every process): it tells nothing of what others sent. Only hits are the salt's.
+            home_key = prefix_hash.chain(None, tuple(token_ids[:block_size]))
+            if head > 0:
+                home_depth, home_key = head // block_size, hash(tuple(token_ids[:head]))
         params = self.cfg.route_params(block_size or 16)
         names, why = routing.rank(cands, params, hashes or None, self.turn, home_depth, home_key)
         if strategy == "round_robin":
@@ -414,6 +420,7 @@ class Upstreams:
         requested: str | None = None,
         routes: Routes | None = None,
         head: int = 0,
+        salt: str | None = None,
     ) -> tuple[list[Hop], routing.RouteReason, list[int]]:
         """The route plan of pool `model` (for a request of `requested`, default `model`: another one makes every
         hop a fallback hop) in `routes` (default: the current table), why its first hop, and the prompt's block
@@ -422,7 +429,7 @@ class Upstreams:
         requested = requested or model
         pools = (routes or self.routes).pools
         pool = pools[model]
-        ranked, why, hashes = pool.route(now, token_ids, head=head)
+        ranked, why, hashes = pool.route(now, token_ids, head=head, salt=salt)
         hops = [Hop(model, i, requested) for i in ranked]
         # A disaggregated pool whose decode members all fail: its prefill members answer whole requests (the prompt
         # likely in their cache from the prefill hop) before another pool is asked.
@@ -432,12 +439,17 @@ class Upstreams:
         return hops, why, hashes
 
     def prefill_route(
-        self, model: str, token_ids: list[int] | None, routes: Routes | None = None, head: int = 0
+        self,
+        model: str,
+        token_ids: list[int] | None,
+        routes: Routes | None = None,
+        head: int = 0,
+        salt: str | None = None,
     ) -> tuple[list[Hop], list[int]]:
         """A disaggregated pool's prefill members, in the order to try them (where the prompt's prefix is cached
         first: that cache is the one that saves work), and the prompt's block hashes."""
         pool = (routes or self.routes).pools[model]
-        ranked, _, hashes = pool.route(time.monotonic(), token_ids, prefill=True, head=head)
+        ranked, _, hashes = pool.route(time.monotonic(), token_ids, prefill=True, head=head, salt=salt)
         return [Hop(model, i, model) for i in ranked], hashes
 
     def record(self, hop: Hop, hashes: list[int]) -> None:

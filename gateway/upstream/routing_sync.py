@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenweir.common.logging import get_logger
-from tokenweir.gateway.config import AliasConfig, PoolConfig, parse_section, routes_error
+from tokenweir.gateway.config import AliasConfig, PoolConfig, member_key_env_error, parse_section, routes_error
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.discovery import Discovery
@@ -46,11 +46,15 @@ def pool_from_body(body: Any, where: str = "") -> PoolConfig:
     return parse_section(PoolConfig, body, where)
 
 
-def with_keys(pool: PoolConfig, seed: PoolConfig | None) -> PoolConfig:
+def with_keys(pool: PoolConfig, seed: PoolConfig | None, listed: list[str]) -> PoolConfig:
     """A stored pool's members' API keys: from their api_key_env now, else the seed member's at the same address (a
-    bundled engine's key lives in this process only)."""
+    bundled engine's key lives in this process only). An api_key_env that names no member's key (`listed`: the
+    config's api_key_envs; an entry written before the rule, or into the store directly) is a ValueError: the entry
+    is skipped, and the variable's value never sent."""
     known = {(u.name, u.base_url): u.api_key for u in seed.upstreams} if seed is not None else {}
     for upstream in pool.upstreams:
+        if upstream.api_key_env and (error := member_key_env_error(upstream.api_key_env, listed)) is not None:
+            raise ValueError(f"pool {pool.model}, upstream {upstream.name}: {error}")
         if upstream.api_key_env:
             upstream.api_key = os.environ.get(upstream.api_key_env) or None
         elif upstream.api_key is None:
@@ -86,9 +90,15 @@ class Composed:
         return [effective_alias(a, self.rollouts.get(a.model)) for a in self.declared]
 
 
-def compose(seed_pools: list[PoolConfig], seed_aliases: list[AliasConfig], entries: list[RoutingEntry]) -> Composed:
-    """The seed overlaid by the entries. An entry that no longer parses (written by another version) is skipped
-    with a log line; the result may still break references (check it with `routes_error`)."""
+def compose(
+    seed_pools: list[PoolConfig],
+    seed_aliases: list[AliasConfig],
+    entries: list[RoutingEntry],
+    api_key_envs: list[str] | None = None,
+) -> Composed:
+    """The seed overlaid by the entries. An entry that no longer parses (written by another version), or whose
+    members' api_key_env names no member's key (`api_key_envs`: the config's), is skipped with a log line; the result
+    may still break references (check it with `routes_error`)."""
     pools = {p.model: p for p in seed_pools}
     aliases = {a.model: a for a in seed_aliases}
     rollouts: dict[str, RolloutState] = {}
@@ -101,7 +111,7 @@ def compose(seed_pools: list[PoolConfig], seed_aliases: list[AliasConfig], entri
             continue
         try:
             if e.kind == "pool":
-                pools[e.name] = with_keys(pool_from_body(e.body), pools.get(e.name))
+                pools[e.name] = with_keys(pool_from_body(e.body), pools.get(e.name), api_key_envs or [])
             else:
                 aliases[e.name], state = alias_from_body(e.body)
                 if state is not None:
@@ -121,8 +131,10 @@ class RoutingSync:
         seed_pools: list[PoolConfig],
         seed_aliases: list[AliasConfig],
         discovery: Discovery | None = None,
+        api_key_envs: list[str] | None = None,
     ) -> None:
         self.upstreams, self.store, self.discovery = upstreams, store, discovery
+        self.api_key_envs = api_key_envs or []  # the config's: what a stored member's api_key_env may name
         self.seed_pools, self.seed_aliases = list(seed_pools), list(seed_aliases)
         self.version = 0  # the store's routing version applied here
         # the last table applied, as composed (before discovery's expansion), and its version
@@ -131,7 +143,7 @@ class RoutingSync:
         self.discover = Periodic(self.rediscover, "discovery_failed")
 
     def composed(self, entries: list[RoutingEntry]) -> Composed:
-        return compose(self.seed_pools, self.seed_aliases, entries)
+        return compose(self.seed_pools, self.seed_aliases, entries, self.api_key_envs)
 
     async def refresh(self, force: bool = False) -> bool:
         """Reload and apply the table if the store's version moved (or `force`); True if it applied one."""

@@ -1,7 +1,8 @@
 """Weighted variants of a model name, through real HTTP: client -> gateway -> fake upstreams. An alias `chat` splits
 90/10 between two pools; its requests land on one variant per sticky subject (the key, or the `user`), every event
 says which (alias, variant, and the variant's pool as `model`), the metrics count them per variant, the override
-header picks one outright, and /v1/models lists the alias."""
+header picks one outright for a key allowed to (tests/app/gateway/test_variant_permission.py: one that is not), and
+/v1/models lists the alias."""
 
 from __future__ import annotations
 
@@ -100,8 +101,11 @@ async def test_sticky_per_key_and_the_override_header(stack):
                 seen.setdefault(secret, set()).add(r.headers["x-request-id"])
     events = await asyncio.to_thread(events_by_id, stack)
     assert all(len({events[rid]["variant"] for rid in rids}) == 1 for rids in seen.values())
+    key_id = stack["store"].find_key(keys[0]).id
+    stack["store"].update_key(key_id, may_pick_variant=True)  # the admin lets this key pick (tests: who may not)
     async with httpx.AsyncClient(base_url=stack["url"], timeout=30) as c:
         auth = f"Bearer {keys[0]}"
+        await asyncio.sleep(1.1)  # past the gateway's key cache (<= 1 s): a change made outside its admin API
         r = await ask(c, "chat-by-key", authorization=auth, **{"x-tokenweir-variant": "canary"})
         assert r.status_code == 200
         rid = r.headers["x-request-id"]

@@ -9,6 +9,7 @@ import pytest
 from tokenweir.common.text.prefix_hash import block_hashes, probe
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.request.cache_scope import cache_salt
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.upstream.pools import Upstreams, forget_evicted
 
@@ -93,7 +94,7 @@ def test_external_pools_default_to_least_in_flight_and_round_robin_turns():
 
 def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     upstreams, metrics = _upstreams(), Metrics()
-    dispatcher = Dispatcher(GatewayConfig(), upstreams, None, metrics, None)
+    dispatcher = Dispatcher(GatewayConfig(), upstreams, None, metrics, SimpleNamespace(members=None, background=None))
     # a prompt of token ids needs no tokenizer; a text prompt in a pool that names none goes by load
     ctx = SimpleNamespace(
         model="m",
@@ -103,10 +104,12 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         context_fallback=None,
         routes=upstreams.routes,
         pools=upstreams.pools,
+        team_id="t",
+        key_id="k",
     )
     hops, hashes = dispatcher.route(ctx)
     assert ctx.route_reason["reason"] == "prefix_home" and ctx.route_reason["instance"] == hops[0].instance.name
-    assert hashes == block_hashes(TEAM, 16)
+    assert hashes == block_hashes(TEAM, 16, salt=cache_salt("team", "t", "k"))  # the pool's cache scope: the team's
     text_ctx = SimpleNamespace(
         model="m",
         kind="completions",
@@ -115,6 +118,8 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         context_fallback=None,
         routes=upstreams.routes,
         pools=upstreams.pools,
+        team_id="t",
+        key_id="k",
     )
     dispatcher.route(text_ctx)
     assert text_ctx.route_reason["reason"] == "least_loaded"

@@ -12,6 +12,7 @@ from tokenweir.policies.canary import (
     Window,
     advance,
     breach,
+    judged,
     p95,
 )
 
@@ -70,3 +71,15 @@ def test_advance_steps_after_step_s_promotes_past_the_last_and_rolls_back_on_a_b
     assert back is not None and back.status == ROLLED_BACK and back.canary_share(STEPS) == 0.0
     assert "error rate 50.0%" in back.reason
     assert RolloutState.from_dict(back.to_dict()) == back
+
+
+def test_only_what_the_variants_upstream_did_is_judged_never_a_refusal_or_a_clients_error():
+    assert judged("ok", 200, served_by_variant=True) is True
+    assert judged("ok", 200, served_by_variant=False) is False  # a fallback pool had to serve it
+    for status, http in (("error", 502), ("error", 503), ("error", 500), ("timeout", 504)):
+        assert judged(status, http, served_by_variant=True) is False, (status, http)
+    # the upstream refused the client's request (4xx), the gateway refused it (rate, budget, bad input, too long,
+    # no instance to try), or the client left: nothing said of the variant
+    for status, http in (("error", 400), ("error", 404), ("error", 422), ("rejected", 429), ("rejected", 400),
+                         ("rejected", 503), ("cancelled", 499)):  # fmt: skip
+        assert judged(status, http, served_by_variant=True) is None, (status, http)
