@@ -4,8 +4,9 @@ The event log is the write-ahead record of usage. A request's line is in the OS'
 descriptor) before its answer is completed, so a process killed a moment later has lost no bill; a background task
 fsyncs every `flush_interval_s`, bounding what a power loss could take. Each line carries a `seq`, increasing per
 writer and in file order: usage rows in the store record the last seq they include, and start-up replays the events
-after it (`replay_after`), so a crash between an event and the next usage flush loses no bill. The file rotates
-`events.jsonl -> .1 -> .2 ...` past `max_bytes`, always between lines.
+after it (`replay_after`), so a crash between an event and the next usage flush loses no bill (a line it cannot
+read is set aside: gateway/accounting/event_lines.py). The file rotates `events.jsonl -> .1 -> .2 ...` past
+`max_bytes`, always between lines.
 
 Group commit: `await commit(event)` returns the line's seq once the line is written. The first line of a loop
 iteration is written at once (a request alone waits for nothing: no timer, no waiting for company) and opens a
@@ -13,6 +14,11 @@ batch: the lines committed after it in the same iteration join the batch, writte
 queued (`call_soon`) at the end of that iteration, and their commits return then. `emit(event)` is the synchronous
 form, for the rare caller that cannot await (a request refused before admission): it writes at once, the open batch
 before its own line, so seqs stay in file order.
+
+A write that fails (a full disk, an I/O error) leaves the writer failing (`faults`, gateway/accounting/event_faults.py):
+the lines of the batch that landed whole before the error are committed, the rest raise to their committers (whose
+bills then go to the store directly), a fragment it left is ended before the next line, and admission refuses new
+requests until a write succeeds again or the probe of the sync task finds room.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+
+from tokenweir.gateway.accounting.event_faults import WriteFaults, landed
+from tokenweir.gateway.accounting.event_lines import event_lines
 
 # The event's fields, in order. Every line has all of them; unknown ones are left null.
 FIELDS = (
@@ -74,6 +83,7 @@ FIELDS = (
     # a request for an alias (weighted variants): the name asked for and the variant it got (`model` is its pool)
     "alias",
     "variant",
+    "variant_steered",  # the variant was picked by the x-tokenweir-variant header (not judged by a rollout)
     # the model version the serving instance runs: its configured `revision`, else its engine's model-file digest
     "model_revision",
     # and what the decode member's answer says it fetched from it: prompt tokens (0: its own prefix cache held them,
@@ -118,23 +128,25 @@ class EventWriter:
         self.seq = 0  # of the last line put in a batch
         self.written = 0  # lines written since start, for tests and /metrics
         self.writes = 0  # batches written (a `write` each, two across a rotation): written / writes = batch size
+        self.faults = WriteFaults(self.path)  # why the last write failed, until one succeeds or the probe finds room
+        self.retry_after_s = max(1, round(2 * flush_interval_s))  # what a refusal while failing says (it probes so)
+        self._torn = False  # the file ends in a fragment (a failed write, a kill): ended before the next line
+        self._landed = 0  # lines of the batch being written that are in the file whole
 
     def open(self, after_seq: int = 0) -> None:
         """Open for appending; seqs continue after `after_seq` and after every line already in the files."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.seq = max(after_seq, last_seq(self.path, self.backups))
         self._reopen()
-        assert self._fd is not None  # just opened
-        if self._size and not _ends_a_line(self.path):
-            # A batch torn by a kill mid-write: end its fragment, so that the next line is not glued onto it (the
-            # reader skips the fragment; a glued line would be skipped with it, and its bill lost).
-            os.write(self._fd, b"\n")
-            self._size += 1
+        # A batch torn by a kill mid-write: its fragment is ended before the next line, so that the line is not glued
+        # onto it (the reader skips the fragment; a glued line would be skipped with it, and its bill lost).
+        self._torn = bool(self._size) and not _ends_a_line(self.path)
 
     async def commit(self, event: dict) -> int:
         """Write one event line, at once or with this loop iteration's batch; returns its seq once the line is
-        written (in the OS's hands). A write that fails (a full disk) raises here, for every line of its batch. A
-        caller cancelled while it waits stops waiting, but its line is written with the batch all the same."""
+        written (in the OS's hands). A write that fails (a full disk) raises its OSError here, for every line of its
+        batch that did not land whole. A caller cancelled while it waits stops waiting, but its line is written with
+        the batch all the same."""
         seq = self._enqueue(event)
         loop = asyncio.get_running_loop()
         if self._scheduled_on is not loop:
@@ -150,14 +162,16 @@ class EventWriter:
         return seq
 
     def emit(self, event: dict) -> int:
-        """Write one event line now, after the open batch (for a caller that cannot await); returns its seq."""
+        """Write one event line now, after the open batch (for a caller that cannot await); returns its seq. A write
+        that fails leaves the writer failing but does not raise: such a caller has no bill riding on its line."""
         seq = self._enqueue(event)
-        self._write_batch()
+        self._write_batch_quietly()
         return seq
 
     async def start(self) -> None:
         if self._fd is None:
             self.open()
+        await self.faults.probe()  # a disk already full at start is known before the first request
         self._task = asyncio.create_task(self._sync_forever())
 
     async def flush(self) -> None:
@@ -171,7 +185,10 @@ class EventWriter:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._write_batch_quietly()
-        self._fsync()
+        try:
+            self._fsync()
+        except OSError as e:
+            self.faults.failed(e)
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
@@ -203,14 +220,25 @@ class EventWriter:
         if not lines:
             return
         self._batch, self._waiters = [], []
+        self._landed = 0
         try:
             with self._lock:
                 self._write_lines(lines)
         except Exception as e:
-            for waiter in waiters:
-                if not waiter.done():
+            # The first lines may have landed whole: committed. (A waiter's line is the waiter's index in the batch;
+            # the caller that writes it, commit's first line or emit's, has the last line, which never landed.)
+            for i, waiter in enumerate(waiters):
+                if waiter.done():
+                    continue
+                if i < self._landed:
+                    waiter.set_result(None)
+                else:
                     waiter.set_exception(e)
+            if isinstance(e, OSError):
+                self.faults.failed(e)
             raise
+        if self.faults.fault is not None:
+            self.faults.recovered("a write")
         for waiter in waiters:
             if not waiter.done():  # done: its caller was cancelled meanwhile
                 waiter.set_result(None)
@@ -227,20 +255,34 @@ class EventWriter:
         self._write_out(lines[start:])
 
     def _write_out(self, lines: list[bytes]) -> None:
-        assert self._fd is not None  # opened when its first line was enqueued; a rotation reopens it
-        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        if self._fd is None:  # a rotation that could not open the new file
+            self._reopen()
+        assert self._fd is not None
+        end = b"\n" if self._torn else b""  # ends the fragment a failed write (or a kill) left
+        data = end + (lines[0] if len(lines) == 1 else b"".join(lines))
         self._dirty = True
-        done = os.write(self._fd, data)
-        while done < len(data):  # a short write (a full disk, a signal): the rest, or the error that stopped it
-            done += os.write(self._fd, data[done:])
-        self._size += len(data)
-        self.written += len(lines)
+        done = 0
+        try:
+            while done < len(data):  # a short write (a full disk, a signal): the rest, or the error that stopped it
+                done += os.write(self._fd, data[done:])
+        finally:
+            self._size += done
+            whole, fragment = landed(lines, done - len(end))
+            self._torn = fragment > 0 or (done < len(end) and self._torn)
+            self._landed += whole
+            self.written += whole
         self.writes += 1
 
     async def _sync_forever(self) -> None:
         while True:
             await asyncio.sleep(self.flush_interval_s)
-            await self.flush()
+            if self.faults.fault is not None:  # no request needs to try a write: admission refuses them meanwhile
+                await self.faults.probe()
+                continue
+            try:
+                await self.flush()
+            except OSError as e:  # an fsync's I/O error: what the page cache held may not reach the disk
+                self.faults.failed(e)
 
     def _fsync(self) -> None:
         with self._lock:
@@ -255,9 +297,11 @@ class EventWriter:
 
     def _reopen(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            fd, self._fd = self._fd, None  # never left naming a closed descriptor, should the open below fail
+            os.close(fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size
+        self._torn = False  # a new file, or the one open() checks itself
 
     def _rotate(self) -> None:
         assert self._fd is not None  # a batch rotates the file it has open
@@ -284,19 +328,10 @@ def _files_oldest_first(path: Path, backups: int) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def _lines(path: Path) -> Iterator[dict]:
-    for raw in path.read_bytes().splitlines():
-        if raw.strip():
-            try:
-                yield orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                continue  # a line torn by a crash mid-write carries no complete bill: skip it
-
-
 def last_seq(path: str | Path, backups: int = 5) -> int:
     """The highest seq in the newest non-empty file (0 for none)."""
     for f in reversed(_files_oldest_first(Path(path), backups)):
-        seqs = [e.get("seq") or 0 for e in _lines(f)]
+        seqs = [e.get("seq") or 0 for e in event_lines(f, Path(path))]
         if seqs:
             return max(seqs)
     return 0
@@ -308,11 +343,11 @@ def replay_after(path: str | Path, seq: int, backups: int = 5) -> Iterator[dict]
     # Newest file first, until one starts at or below `seq`: older files cannot hold anything later.
     for f in reversed(_files_oldest_first(Path(path), backups)):
         needed.append(f)
-        first = next(_lines(f), None)
+        first = next(event_lines(f, Path(path)), None)
         if first is not None and (first.get("seq") or 0) <= seq:
             break
     for f in reversed(needed):
-        for event in _lines(f):
+        for event in event_lines(f, Path(path)):
             if (event.get("seq") or 0) > seq:
                 yield event
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenweir.gateway.accounting.event_faults import WriteFaults
 
 
 class _CachedLabels:
@@ -72,6 +76,13 @@ class Metrics:
             p + "completion_tokens", "Billed completion tokens", ["team", "model"], registry=r
         )
         self.rejections = Counter(p + "rejections", "Requests shed by reason", ["reason"], registry=r)
+        self.direct_bills = Counter(
+            p + "direct_bills",
+            "Requests whose event or in-flight journal line could not be written (a full disk), billed straight to "
+            "the store (stored), or not (failed: the store failed too; kept in memory, a JSON answer refused 503)",
+            ["result"],
+            registry=r,
+        )
         self.in_flight = Gauge(p + "in_flight", "Requests being served upstream", ["model"], registry=r)
         self.queue_time = Histogram(
             p + "queue_seconds", "Time in the dispatch queue", ["model"], buckets=_LATENCY, registry=r
@@ -172,8 +183,9 @@ class Metrics:
         # no team), beside the pool's own e2e_seconds for the comparison.
         self.shadow_requests = Counter(
             p + "shadow_requests",
-            "Requests mirrored to a shadow pool, by outcome (ok, error, timeout, dropped: too many in flight, or the "
-            "shadow member at its max_parallel_requests)",
+            "Requests mirrored to a shadow pool once answered, by outcome (ok, error, timeout; dropped: too many in "
+            "flight to that shadow pool, or the shadow member at its max_parallel_requests; skipped: the request made "
+            "no output to mirror)",
             ["model", "shadow", "status"],
             registry=r,
         )
@@ -228,6 +240,10 @@ class Metrics:
             registry=r,
         )
 
+    def watch_events(self, faults: WriteFaults) -> None:
+        """The event log's health, read from its writer at each scrape (gateway/accounting/event_faults.py)."""
+        self.registry.register(_EventLogCollector(faults))
+
     def config_applied(self, digest: str, at: float) -> None:
         self.config_info.clear()
         self.config_info.labels(digest).set(1)
@@ -250,3 +266,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EventLogCollector:
+    """Whether the event log takes lines, and its failed writes by errno, as its writer's faults say now."""
+
+    def __init__(self, faults: WriteFaults) -> None:
+        self.faults = faults
+
+    def collect(self) -> Iterator[Metric]:
+        p = "tokenweir_gateway_"
+        yield GaugeMetricFamily(
+            p + "events_writable",
+            "1 while the event log takes lines; 0 while its writes fail (a full disk, an I/O error): requests are "
+            "refused 503 events_unavailable until a write or the writer's probe succeeds",
+            value=0 if self.faults.fault is not None else 1,
+        )
+        failed = CounterMetricFamily(
+            p + "event_write_failures", "Failed writes of the event log, by errno (ENOSPC, EIO, ...)", labels=["error"]
+        )
+        for name, n in sorted(self.faults.failed_writes.items()):
+            failed.add_metric([name], n)
+        yield failed

@@ -6,7 +6,9 @@ on close. A flush that fails puts its rows back (summed with anything added mean
 outage delays usage but never loses it; close() retries and, as a last resort, logs the rows it could not write.
 Each row comes from an event (`seq`): a flush also stores the writer's last seq it covers, in the same transaction,
 so a crash before the flush costs nothing: start-up replays the events after that watermark
-(gateway/accounting/events.py).
+(gateway/accounting/events.py). A request whose event (or in-flight journal line) could not be written is billed
+straight to the store instead (`bill_now`), in its own transaction, with the row that keeps start-up from billing it
+again (gateway/store/usage.py `settled_requests`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import asdict
 from typing import TypeVar
 
 from tokenweir.gateway.store.store import Store, UsageRow
-from tokenweir.gateway.store.usage import KeyUsageRow
+from tokenweir.gateway.store.usage import KeyUsageRow, SettledRequest
 from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
 from tokenweir.policies.pricing import split_femtos
 
@@ -79,6 +81,31 @@ class UsageRecorder:
                 key_totals[i] += v
         if seq is not None:
             self.seq = max(self.seq, seq)
+
+    async def bill_now(
+        self,
+        team_id: str,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        *,
+        day: str,
+        upstream_request_id: str,
+        seq: int | None,
+        key_id: str | None = None,
+        user: str | None = None,
+        cost_femtos: int = 0,
+    ) -> None:
+        """One request's usage written to the store now, with its settled row, in one transaction (its event or its
+        journal line could not be written: `seq` is its event's, None where that did not land). Raises what the store
+        raised: then nothing of it was written."""
+        assert self.writer is not None, "settled rows are kept per writer"
+        totals = [1, prompt_tokens, completion_tokens, cached_tokens]
+        rows = [UsageRow(team_id, day, model, *totals)]
+        key_rows = [_key_row((team_id, key_id, user or "", day, model), [*totals, cost_femtos])] if key_id else []
+        settled = SettledRequest(self.writer, upstream_request_id, seq)
+        await asyncio.to_thread(self.store.record_usage, rows, None, key_rows, settled)
 
     def pending(self) -> list[UsageRow]:
         """What is counted but not yet written."""

@@ -1,7 +1,9 @@
 """Admission: the request path's steps, in order, for one request:
 
-    new_context -> choose_variant -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot
+    new_context -> check_events -> choose_variant -> check_model -> count_prompt -> apply_caps -> reserve -> take_slot
     -> enter_queue -> dispatch
+
+(choose_variant lives in gateway/request/variant_choice.py: which variant of an alias, and may the key pick it.)
 
 (reserve takes the concurrency slot too, in the same state call: one round trip on a shared state; take_slot
 refuses the request whose slot was full.)
@@ -16,7 +18,8 @@ cancelled state call took is given back (Settler.take).
 
 While the shared state is unreachable, reserving answers 503 `state_unavailable` (fail closed), or, with
 `state.on_unavailable: fail_open`, admits under this replica's own in-process limits and writes their spend to
-the shared state when it returns (through the outbox).
+the shared state when it returns (through the outbox). While the event log cannot take a line (a full disk),
+check_events refuses every request with 503 `events_unavailable` (gateway/accounting/event_faults.py).
 """
 
 from __future__ import annotations
@@ -32,25 +35,26 @@ from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
+from tokenweir.gateway.accounting.event_faults import unavailable
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
 from tokenweir.gateway.request.background import BackgroundTasks
-from tokenweir.gateway.request.context import RequestContext, clip, request_scope
+from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.request.queue import queue_for
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.tracing import gateway_tracing
+from tokenweir.gateway.request.variant_choice import choose_variant
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.rollouts import Rollouts
-from tokenweir.policies import variants
 from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.pricing import max_cost_over
@@ -60,7 +64,6 @@ log = get_logger()
 
 # The fields that bound a choice's length, per endpoint, as upstreams read them: chat takes either (vLLM and our
 # engine prefer max_completion_tokens, older servers read max_tokens only); completions reads max_tokens only.
-VARIANT_HEADER = "x-tokenweir-variant"  # picks an alias's variant outright (testing one)
 _LENGTH_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",)}
 
 
@@ -117,7 +120,8 @@ class Admission:
         watch = asyncio.ensure_future(wait_disconnect(request.receive))
         watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
         try:
-            self.choose_variant(ctx, request)
+            self.check_events()
+            choose_variant(ctx, request.headers, principal.key.may_pick_variant)
             self.check_model(ctx)
             self.count_prompt(ctx)
             self.apply_caps(ctx)
@@ -146,6 +150,13 @@ class Admission:
             watch.cancel()
             await end.handler_exited()
 
+    def check_events(self) -> None:
+        """While the event log cannot take a line (a full disk), nothing is admitted: an answer must not go out
+        unbilled (gateway/accounting/event_faults.py). Refused before anything is taken."""
+        events = self.settler.events
+        if events.faults.fault is not None:
+            raise unavailable(events.retry_after_s)
+
     def new_context(self, request: Request, principal, body: dict, kind: InferenceKind) -> RequestContext:
         if principal.team is None:
             raise APIError(
@@ -153,31 +164,6 @@ class Admission:
             )
         self.seen_teams.add(principal.team.id)
         return RequestContext.admitted(request_scope(request).request_id, principal, body, kind)
-
-    def choose_variant(self, ctx: RequestContext, request: Request) -> None:
-        """A request for an alias gets one of its variants (policies/variants.py), sticky per the alias's subject,
-        or the one its `x-tokenweir-variant` header names; from here on `ctx.model` is that variant's pool."""
-        alias = ctx.aliases.get(ctx.model)
-        if alias is None:
-            return
-        names = [v.name for v in alias.variants]
-        asked = request.headers.get(VARIANT_HEADER)
-        if asked is not None and asked not in names:
-            raise APIError(
-                400, f"{VARIANT_HEADER}: '{clip(asked)}' is not a variant of '{alias.model}' ({', '.join(names)}).",
-                "invalid_variant", param=VARIANT_HEADER,
-            )  # fmt: skip
-        if asked is not None:
-            variant = alias.variants[names.index(asked)]
-        else:
-            subject = ctx.key_id or ""
-            if alias.sticky == "user":
-                subject = ctx.user or subject
-            elif alias.sticky.startswith("header:"):
-                subject = request.headers.get(alias.sticky[7:]) or subject
-            point = variants.subject_point(alias.model, subject)
-            variant = alias.variants[variants.pick_variant([v.weight for v in alias.variants], point)]
-        ctx.alias, ctx.variant, ctx.model = alias.model, variant.name, variant.pool
 
     def check_model(self, ctx: RequestContext) -> None:
         if ctx.model not in ctx.pools:

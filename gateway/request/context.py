@@ -95,6 +95,9 @@ class RequestRecord:
     upstream_end: float | None = None
     ttft_s: float | None = None
     usage_source: str | None = None  # how the billed usage was obtained (gateway/request/settle.py): for the event
+    # its bill reached neither the event log nor the store (gateway/request/billing.py): an answer not sent yet is not
+    # given (503 events_unavailable)
+    unbilled: bool = False
     finish_reason: str | None = None
     # speculative decoding, as the upstream's usage reported it (completion_tokens_details): drafts checked, accepted
     draft_tokens: int | None = None
@@ -108,6 +111,7 @@ class RequestRecord:
     # pool is `model`)
     alias: str | None = None
     variant: str | None = None
+    steered: bool = False  # the variant was picked by the x-tokenweir-variant header: no rollout judges it
     # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
     trace: RequestTrace | None = None
 

@@ -14,13 +14,15 @@ loss may take the tail, as it may the events' between fsyncs: holds and leases t
 
 `recover` runs at start-up, before serving (gateway/server/app.py): every request without "done" is settled from what
 its upstream says it made (our engine's POST /abort answers with the usage of a request it ran), or from the
-reservation's bound where it cannot say, and the file starts afresh. The file is compacted to the live requests' lines
+reservation's bound where it cannot say, and the file starts afresh (a line it cannot read is kept in
+`<journal>.quarantine`, gateway/accounting/quarantine.py). The file is compacted to the live requests' lines
 once it passes `max_bytes`, so it stays small however long the process runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import time
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tokenweir.common.logging import get_logger
+from tokenweir.gateway.accounting.quarantine import NUMBER, Fields, read_lines, wrong_field
 from tokenweir.gateway.request.context import RequestContext, RequestRecord
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.state.backend import StateUnavailable
@@ -60,12 +63,13 @@ class InflightJournal:
         self._keys = itertools.count()
         self._prefix = f"{os.getpid()}-"  # keys never repeat across restarts of the process either
         self.failed = False  # a write failed once (logged once; the request itself goes on)
+        self._torn = False  # the file ends in a fragment of a short write
 
     def open(self) -> None:
         """Start afresh (`recover` has read what an earlier run left)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._size = 0
+        self._size, self._torn = 0, False
 
     def close(self) -> None:
         if self._fd is not None:
@@ -96,16 +100,18 @@ class InflightJournal:
         line = {"t": "hop", "uid": ctx.upstream_id, "url": inst.base_url, "engine": inst.engine}
         self._append(ctx, line | {"label": hop.label, "served": hop.model})
 
-    def done(self, ctx: RequestContext) -> None:
+    def done(self, ctx: RequestContext) -> bool:
         """The request's finish settled it and wrote its event (sync, right after the event: no usage flush can
-        come between the two, so a recovery never bills a request whose event is not replayed)."""
+        come between the two, so a recovery never bills a request whose event is not replayed). False: the line
+        could not be written (a full disk), so a restart would take the request for unfinished."""
         entry = self._live.pop(ctx, None)
         if entry is None:
-            return  # it never took anything
+            return True  # it never took anything
         self._live_bytes -= sum(len(line) for line in entry[1])
-        self._write(orjson.dumps({"k": entry[0], "t": "done"}) + b"\n")
+        written = self._write(orjson.dumps({"k": entry[0], "t": "done"}) + b"\n")
         if self._size > self.max_bytes and self._size > 2 * self._live_bytes:  # amortized: never once per request
             self._compact()
+        return written
 
     def _append(self, ctx: RequestContext, line: dict) -> None:
         entry = self._live.get(ctx)
@@ -116,16 +122,24 @@ class InflightJournal:
         self._live_bytes += len(data)
         self._write(data)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes) -> bool:
         if self._fd is None:
-            return
+            return True  # not opened: journals nothing
         try:
-            os.write(self._fd, data)
-            self._size += len(data)
+            if self._torn:  # a short write left a fragment: ended first, or this line would be read as part of it
+                self._size += os.write(self._fd, b"\n")
+                self._torn = False
+            n = os.write(self._fd, data)
+            self._size += n
+            if n < len(data):  # a short write (a full disk): the line is torn, as good as not written
+                self._torn = n > 0
+                raise OSError(errno.ENOSPC, "short write")
         except OSError:
             if not self.failed:
                 log.exception("inflight_journal_write_failed", path=str(self.path))
             self.failed = True
+            return False
+        return True
 
     def _compact(self) -> None:
         """Only the live requests' lines, into a new file that replaces the old one."""
@@ -139,7 +153,7 @@ class InflightJournal:
             return
         self.close()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = len(data)
+        self._size, self._torn = len(data), False
 
 
 @dataclass
@@ -152,17 +166,56 @@ class Unfinished:
     hops: list[dict] = field(default_factory=list)
 
 
+# Each kind of line, the fields recovery reads of it and their types (gateway/accounting/quarantine.py).
+_LINES: dict[str, Fields] = {
+    "res": {
+        "rid": (str,),
+        "team": (str,),
+        "key": (str, None),
+        "model": (str,),
+        "kind": (str,),
+        "stream": (bool,),
+        "priority": (int,),
+        "user": (str, None),
+        "prompt": (int,),
+        "max": (int, None),
+        "ts": NUMBER,
+        "local": (bool, None),
+        "res_id": (str, None),
+        "res_key": (str, None),
+    },
+    "slot": {"release": (dict,)},
+    "hop": {"uid": (str,), "url": (str,), "engine": (bool,), "label": (str,), "served": (str, None)},
+    "done": {},
+}
+_RELEASE: Fields = {"op": (str,), "team_id": (str,), "lease_id": (str,), "key_id": (str, None)}
+
+
+def _unusable(line: Any) -> str | None:
+    """Why recovery cannot use a decoded journal line; None when it can."""
+    why = wrong_field(line, {"k": (str,), "t": (str,)})
+    if why is not None:
+        return why
+    if line["t"] not in _LINES:
+        return f"an unknown kind of line {line['t']!r}"
+    why = wrong_field(line, _LINES[line["t"]])
+    if why is None and line["t"] == "slot":
+        why = wrong_field(line["release"], _RELEASE)
+        if why is None and line["release"]["op"] != "release_slot":
+            why = "its release is not a release_slot"
+    return why
+
+
 def read_unfinished(path: str | Path) -> list[Unfinished]:
+    """The requests the journal names without their "done". A line torn by the kill mid-write (the step it names
+    completed nothing we could undo) or of another shape is set aside in `<journal>.quarantine`: the others, and
+    the requests they name, are recovered all the same."""
     p = Path(path)
     if not p.exists():
         return []
     entries: dict[str, Unfinished] = {}
-    for raw in p.read_bytes().splitlines():
-        try:
-            line = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue  # torn by the kill mid-write: the step it names completed nothing we could undo
-        key, kind = line.get("k"), line.get("t")
+    for line in read_lines(p, _unusable):
+        key, kind = line["k"], line["t"]
         if kind == "done":
             entries.pop(key, None)
             continue

@@ -27,8 +27,9 @@ from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import OUTPUT_BUCKETS, PROMPT_BUCKETS, Metrics, length_bucket
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
-from tokenweir.gateway.request import relay
+from tokenweir.gateway.request import billing, relay
 from tokenweir.gateway.request.background import BackgroundTasks, Done
+from tokenweir.gateway.request.billing import Bill
 from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope, clip
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
@@ -40,6 +41,7 @@ from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.policies.budget import day_key
+from tokenweir.policies.canary import judged
 from tokenweir.policies.pricing import femtos_to_usd
 
 log = get_logger()
@@ -109,9 +111,9 @@ class Settler:
             if ctx.trace is not None:  # the request's own outcome where it ended on this hop
                 ctx.trace.end_hop(ctx.outcome.status if ctx.outcome.decided else "ok" if ok else "failed")
 
-    async def finish(self, ctx: RequestContext, stream: relay.HopStream | None) -> None:
+    async def finish(self, ctx: RequestContext, stream: relay.HopStream | None) -> int:
         """The end of an admitted request (its RequestEnd's one call): `stream` is its last hop's upstream stream,
-        if one is open or was relayed (what its chunks said is billed)."""
+        if one is open or was relayed (what its chunks said is billed). Returns the output tokens billed."""
         hop = ctx.hop
         try:
             # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
@@ -164,9 +166,10 @@ class Settler:
             await self.record(ctx, ts, prompt, completion, cached, cost, chunks)
         except Exception:  # noqa: BLE001 - the journal's line below must still be written
             log.exception("finish_step_failed", step="record")
-        self._guard(self.journal.done, ctx)  # right after the usage row, no await between: see InflightJournal.done
+        self._guard(self.journal.done, ctx)  # written by record, right after the event: here only if record raised
         if ctx.trace is not None:
             self._guard(ctx.trace.finish, ctx.outcome, prompt, completion)
+        return completion
 
     def cost(self, ctx: RequestRecord, prompt: int, completion: int, cached: int) -> int | None:
         """What the request cost, exactly, in femto-USD at the prices of the pool that served it (None: unpriced):
@@ -187,31 +190,19 @@ class Settler:
         cost: int | None = None,
         chunks: ChunkFilter | None = None,
     ) -> None:
-        """The request's one event and, if an upstream was tried, its usage row (the event first: it is the
-        write-ahead record that start-up replays when a crash kept the usage row out of the store). It returns once
-        the event's line is in the file; nothing awaits after it, so the caller's next step (the journal's "done")
-        follows the usage row with no usage flush between."""
-        seq = None
-        try:
-            seq = await self.events.commit(
-                self.event(ctx, time.perf_counter(), prompt, completion, cached, ts, cost, chunks)
-            )
-        except Exception:  # noqa: BLE001 - an event that cannot be written (disk full) must not drop the bill too
-            log.exception("event_write_failed", request_id=ctx.request_id)
+        """The request's one event, its journal's "done" and, if an upstream was tried, its usage row: the event
+        first, the write-ahead record that start-up replays when a crash kept the usage row out of the store; the
+        store directly where the event log cannot take it (gateway/request/billing.py)."""
+        event = self.event(ctx, time.perf_counter(), prompt, completion, cached, ts, cost, chunks)
+        bill = None
         if ctx.route:
+            assert ctx.team_id is not None  # a request sent upstream was admitted, for a team
             model = ctx.served_model or ctx.model
-            self.usage.add(
-                ctx.team_id,
-                model,
-                prompt,
-                completion,
-                cached,
-                day=day_key(ts),
-                seq=seq,
-                key_id=ctx.key_id,
-                user=ctx.user,
-                cost_femtos=cost or 0,
-            )
+            assert model is not None
+            bill = Bill(ctx.team_id, model, prompt, completion, cached, day_key(ts), ctx.key_id, ctx.user, cost or 0)
+        await billing.record(
+            ctx, event, bill, events=self.events, journal=self.journal, usage=self.usage, metrics=self.metrics
+        )
 
     def defer(self, err: StateUnavailable) -> None:
         """Keep the change a failed state call still owes (a settle, a release, an undo) for the outbox."""
@@ -336,6 +327,7 @@ class Settler:
             "model_revision": ctx.model_revision,
             "alias": ctx.alias,
             "variant": ctx.variant,
+            "variant_steered": ctx.steered if ctx.variant is not None else None,
             "priority": ctx.priority,
             "status": ctx.outcome.status,
             "reason": ctx.outcome.reason,
@@ -412,17 +404,14 @@ class Settler:
         return event
 
     def observe_variant(self, ctx: RequestRecord, tpot: float | None) -> None:
-        """A canary is judged by what its own pool did: a request another pool served (a fallback) failed there."""
-        status = ctx.outcome.status
-        if (
-            self.rollouts is None
-            or ctx.alias is None
-            or ctx.variant is None
-            or ctx.model is None
-            or status not in ("ok", "error", "timeout")
-        ):
-            return  # refused or cancelled: says nothing about the variant
-        ok = status == "ok" and ctx.served_model == ctx.model
+        """A canary is judged by what its own pool did (policies/canary.py `judged`): a request another pool served
+        (a fallback) failed there; one refused (by the gateway, or by the upstream as the client's error) or
+        cancelled says nothing about it, nor does one steered to a variant by the header (a tenant's choice)."""
+        if self.rollouts is None or ctx.alias is None or ctx.variant is None or ctx.model is None or ctx.steered:
+            return
+        ok = judged(ctx.outcome.status, ctx.outcome.http_status, ctx.served_model == ctx.model)
+        if ok is None:
+            return
         ttft, tpot = (ctx.ttft_s, tpot) if ok else (None, None)
         self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot)
 

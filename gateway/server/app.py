@@ -81,6 +81,7 @@ def create_app(
     events = EventWriter(
         config.events.path, config.events.max_bytes, config.events.backups, config.events.flush_interval_s
     )
+    metrics.watch_events(events.faults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,7 +92,9 @@ def create_app(
         client = relay.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         background = BackgroundTasks()
-        routing = RoutingSync(upstreams, st, config.pools, config.aliases, Discovery(config.discovery))
+        routing = RoutingSync(
+            upstreams, st, config.pools, config.aliases, Discovery(config.discovery), api_key_envs=config.api_key_envs
+        )
         decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
         rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
         admission = Admission(
@@ -123,6 +126,7 @@ def create_app(
         s = admission.settler
         if await recover(s.journal, s, state, outbox, client, upstreams, billed):
             await usage.flush()
+        await asyncio.to_thread(st.prune_settled, writer)  # billed directly: no start-up needs them any more
         if admission.local is not None:
             await seed_budgets(st, admission.local)
         seeding = None
@@ -212,13 +216,15 @@ async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, 
     upstream request ids (billed already: the in-flight recovery skips them)."""
     assert usage.writer is not None  # the watermark is kept per writer: the lifespan names this one
     watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
+    # Requests billed straight to the store (their event or journal line could not be written): never again here
+    settled = await asyncio.to_thread(store.settled_requests, usage.writer)
     path, backups = config.events.path, config.events.backups
-    replayed, billed = 0, set()
+    replayed, billed = 0, set(settled)
     for e in await asyncio.to_thread(lambda: list(replay_after(path, watermark, backups))):
         usage.seq = max(usage.seq, e["seq"])  # the watermark passes events without usage too
         if e.get("upstream_request_id"):
             billed.add(e["upstream_request_id"])
-        if e.get("route") and e.get("team"):
+        if e.get("route") and e.get("team") and e.get("upstream_request_id") not in settled:
             model = e.get("served_model") or e.get("model")
             assert model is not None  # a served request's event names its model
             prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0

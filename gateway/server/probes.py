@@ -1,9 +1,10 @@
 """Operator probes: liveness, readiness (which dependency is down) and Prometheus metrics.
 
 `/livez` answers 200 while the process serves HTTP at all. `/health` (also `/readyz`) is readiness: 503 when the
-gateway cannot admit requests (the shared state or the store unreachable, or no pool with an instance whose circuit
-is closed), naming each check, so a load balancer sends traffic elsewhere. Anyone may ask, so it says ok/down per
-pool only; with an admin key it also lists each instance (name, address, circuit, requests in flight).
+gateway cannot admit requests (the shared state or the store unreachable, the event log failing its writes: `events`,
+with why, or no pool with an instance whose circuit is closed), naming each check, so a load balancer sends traffic
+elsewhere. Anyone may ask, so it says ok/down per pool only; with an admin key it also lists each instance (name,
+address, circuit, requests in flight).
 `/metrics` needs `Authorization: Bearer <metrics_token>` when the config sets one (it lists team ids and their
 budgets).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +54,8 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
         checks["store"] = "ok"
     except (*DB_ERRORS, TimeoutError):
         checks["store"] = "down"
+    fault = services.events.faults.fault  # the write-ahead record of usage: nothing is admitted while it fails
+    checks["events"] = "down" if fault is not None else "ok"
     pools = {}
     for name, pool in services.upstreams.pools.items():
         pools[name] = [
@@ -66,11 +70,14 @@ async def health(request: Request, services: ServicesDep) -> JSONResponse:
         ]
         checks[f"pool:{name}"] = "ok" if any(i["circuit"] == "closed" for i in pools[name]) else "down"
     fail_open = admission.local is not None  # admits without the shared state
-    not_ready = checks.get("store") == "down" or (checks["state"] != "ok" and not fail_open)
+    not_ready = checks["store"] == "down" or checks["events"] == "down" or (checks["state"] != "ok" and not fail_open)
     not_ready = not_ready or (bool(pools) and all(checks[f"pool:{p}"] == "down" for p in pools))
     degraded = any(v != "ok" for v in checks.values())
     status = "unavailable" if not_ready else "degraded" if degraded else "ok"
-    body = {"status": status, "checks": checks} | ({"pools": pools} if detail else {})
+    body: dict = {"status": status, "checks": checks} | ({"pools": pools} if detail else {})
+    if fault is not None:  # why, and since when (the file's path is the operator's to see)
+        why = {"error": fault.error, "failing_s": round(time.time() - fault.since, 3)}
+        body["events"] = why | ({"path": str(services.events.path)} if detail else {})
     return JSONResponse(body, status_code=503 if not_ready else 200)
 
 

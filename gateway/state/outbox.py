@@ -3,7 +3,8 @@
 `put()` keeps the change in memory and appends it to a file at once (so a restart still has it); a background task
 replays pending changes with exponential backoff until the backend takes them, then marks them done in the file.
 Replays are idempotent on the backend (a settle stops at its tombstone, a release of a gone lease removes nothing),
-so a change replayed twice, by a crash between its success and its done mark, bills once.
+so a change replayed twice, by a crash between its success and its done mark, bills once. A line the start cannot
+replay (torn by a crash, or of another shape) is set aside in `<file>.quarantine` (gateway/accounting/quarantine.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,45 @@ import logging
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from tokenweir.gateway.accounting.quarantine import NUMBER, Fields, read_lines, wrong_field
 from tokenweir.gateway.state.backend import StateUnavailable
 
 log = logging.getLogger("tokenweir.outbox")
+
+
+# The changes an outbox line may hold, and what replaying each reads (gateway/state/redis.py `replay`).
+_OPS: dict[str, Fields] = {
+    "release_slot": {"team_id": (str,), "lease_id": (str,), "key_id": (str, None)},
+    "settle": {
+        "team_id": (str,),
+        "res_id": (str,),
+        "tokens": (int,),
+        "now": NUMBER,
+        "key_id": (str, None),
+        "cost": (*NUMBER, None),
+        "release": (dict, None),
+    },
+}
+
+
+def _unusable(line: Any) -> str | None:
+    """Why a decoded outbox line cannot be replayed (gateway/accounting/quarantine.py); None when it can."""
+    if isinstance(line, dict) and "done" in line:
+        return wrong_field(line, {"done": (str,)})
+    why = wrong_field(line, {"id": (str,), "op": (dict,)}) or wrong_field(line["op"], {"op": (str,)})
+    if why is not None:
+        return why
+    op = line["op"]
+    if op["op"] not in _OPS:
+        return f"an unknown change {op['op']!r}"
+    why = wrong_field(op, _OPS[op["op"]])
+    if why is None and op.get("release") is not None:
+        why = wrong_field(op["release"], {"lease_id": (str,), "key_id": (str, None)})
+    return why
 
 
 class StateOutbox:
@@ -45,13 +79,11 @@ class StateOutbox:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             done: set[str] = set()
-            for raw in self.path.read_bytes().splitlines():
-                with contextlib.suppress(orjson.JSONDecodeError):  # a line torn by a crash
-                    line = orjson.loads(raw)
-                    if "done" in line:
-                        done.add(line["done"])
-                    else:
-                        self._pending[line["id"]] = line["op"]
+            for line in read_lines(self.path, _unusable):  # one torn by a crash, or of another shape: set aside
+                if "done" in line:
+                    done.add(line["done"])
+                else:
+                    self._pending[line["id"]] = line["op"]
             for op_id in done:
                 self._pending.pop(op_id, None)
             tmp = self.path.with_suffix(".tmp")

@@ -226,12 +226,15 @@ class Store(UsageQueries, RoutingQueries):
         expires_at: datetime | str | None = None,
         secret: str | None = None,
         limits: KeyLimits | None = None,
+        may_pick_variant: bool = False,
     ) -> tuple[str, ApiKey]:
         """Returns (secret, key). The secret exists only in this return value: show it once.
 
         `secret`: a strong secret the operator chose (TOKENWEIR_ADMIN_KEY, keys.secret_weakness) instead of a fresh
-        one; a key with that secret already stored raises Conflict."""
+        one; a key with that secret already stored raises Conflict. `may_pick_variant`: the key may pick an alias's
+        variant by header (team keys only)."""
         assert team_id is not None or is_admin, "a key without a team must be an admin key"
+        assert team_id is not None or not may_pick_variant, "an admin key makes no inference calls"
         if isinstance(expires_at, str):
             expires_at = parse_ts(expires_at)
         if secret is None:
@@ -244,8 +247,8 @@ class Store(UsageQueries, RoutingQueries):
                 if team_id is not None and not db.one("SELECT 1 FROM teams WHERE id = ?", (team_id,)):
                     raise NotFound("team", team_id)
                 db.execute(
-                    "INSERT INTO api_keys (id, team_id, name, prefix, key_hash, is_admin, created_at, expires_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO api_keys (id, team_id, name, prefix, key_hash, is_admin, created_at, expires_at,"
+                    " may_pick_variant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         key_id,
                         team_id,
@@ -255,6 +258,7 @@ class Store(UsageQueries, RoutingQueries):
                         is_admin,
                         now_ts(),
                         format_ts(expires_at) if expires_at else None,
+                        may_pick_variant,
                     ),
                 )
                 if limits is not None:
@@ -293,6 +297,19 @@ class Store(UsageQueries, RoutingQueries):
             if not db.one("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)):
                 raise NotFound("key", key_id)
             db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now_ts(), key_id))
+        return _written(self.get_key(key_id))
+
+    def update_key(self, key_id: str, *, may_pick_variant: bool | None = None) -> ApiKey:
+        """Change a team key's permissions (None: as it is): `may_pick_variant`, to pick an alias's variant by
+        header."""
+        with self._tx() as db:
+            row = db.one("SELECT team_id FROM api_keys WHERE id = ?", (key_id,))
+            if not row:
+                raise NotFound("key", key_id)
+            if row[0] is None:
+                raise Conflict("an admin key has no team and makes no inference calls")
+            if may_pick_variant is not None:
+                db.execute("UPDATE api_keys SET may_pick_variant = ? WHERE id = ?", (may_pick_variant, key_id))
         return _written(self.get_key(key_id))
 
     def set_key_limits(self, key_id: str, limits: KeyLimits | None) -> ApiKey:

@@ -30,6 +30,16 @@ class UsageRow:
     cached_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class SettledRequest:
+    """A request billed straight to the store (`record_usage`'s `settled`): its writer, the id its upstream knew it by
+    (what the in-flight journal names it by) and its event's seq (None: its event could not be written)."""
+
+    writer: str
+    upstream_request_id: str
+    seq: int | None = None
+
+
 @dataclass(frozen=True)
 class KeyUsageRow:
     """A day's usage of one key by one end user (the request's `user`, '' when none) on one model."""
@@ -72,13 +82,21 @@ class UsageQueries:
         rows: list[UsageRow],
         watermark: tuple[str, int] | None = None,
         key_rows: list[KeyUsageRow] | None = None,
+        settled: SettledRequest | None = None,
     ) -> None:
         """Adds each row to its (team, day, model) total, and each key row to its (team, key, user, day, model)
         total, all in one transaction: all rows land or none. `watermark` (writer, seq): the rows include every
-        event of that writer up to seq, recorded atomically."""
+        event of that writer up to seq, recorded atomically. `settled`: the rows are that one request's, billed
+        here directly (its event or its journal line could not be written): start-up bills it no more."""
         if not rows and watermark is None and not key_rows:
             return
         with self._tx() as db:
+            if settled is not None:
+                db.execute(
+                    "INSERT INTO settled_requests (writer, upstream_request_id, seq) VALUES (?, ?, ?)"
+                    " ON CONFLICT (writer, upstream_request_id) DO NOTHING",
+                    (settled.writer, settled.upstream_request_id, settled.seq),
+                )
             if watermark is not None:
                 db.execute(
                     "INSERT INTO usage_watermarks (writer, seq) VALUES (?, ?)"
@@ -179,6 +197,21 @@ class UsageQueries:
         """The last event seq of `writer` whose usage is stored (0 if none)."""
         rows = self._read("SELECT seq FROM usage_watermarks WHERE writer = ?", (writer,))
         return int(rows[0][0]) if rows else 0
+
+    def settled_requests(self, writer: str) -> dict[str, int | None]:
+        """The requests of `writer` billed here directly (upstream request id -> its event's seq, None: no event)."""
+        rows = self._read("SELECT upstream_request_id, seq FROM settled_requests WHERE writer = ?", (writer,))
+        return {r[0]: None if r[1] is None else int(r[1]) for r in rows}
+
+    def prune_settled(self, writer: str) -> None:
+        """After start-up's in-flight recovery: drop the rows no start-up needs any more (no event, or one the
+        writer's watermark covers: the replay never reads it again)."""
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM settled_requests WHERE writer = ? AND (seq IS NULL"
+                " OR seq <= (SELECT seq FROM usage_watermarks WHERE writer = ?))",
+                (writer, writer),
+            )
 
     def spent_tokens(self, team_id: str, since_day: str) -> int:
         """Prompt + completion tokens since a day (inclusive): seeds the day/month budgets at start."""

@@ -25,9 +25,9 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1, 2, 3, 4, 5]
+    assert store.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1, 2, 3, 4, 5]
+    assert store.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
@@ -225,14 +225,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1, 2, 3, 4, 5]
+        assert stores[0].schema_versions() == [1, 2, 3, 4, 5, 6, 7]
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1, 2, 3, 4, 5]
+    assert mem.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()
@@ -277,6 +277,22 @@ def test_postgres_reconnects_after_the_server_drops_us():
             store.create_team("beta")  # a write is not retried blindly: the caller decides
         assert store.create_team("beta").name == "beta"  # and the next call has a new connection
         store.close()
+
+
+def test_a_keys_permission_to_pick_variants_is_off_by_default_granted_and_withdrawn(store: Store):
+    team = store.create_team("pickers")
+    secret, key = store.create_key(team.id, "plain")
+    _, tester = store.create_key(team.id, "tester", may_pick_variant=True)
+    assert not key.may_pick_variant and tester.may_pick_variant and store.get_key(tester.id).may_pick_variant
+    assert store.update_key(key.id, may_pick_variant=True).may_pick_variant and store.find_key(secret).may_pick_variant
+    assert store.update_key(key.id).may_pick_variant  # None: as it is
+    assert not store.update_key(key.id, may_pick_variant=False).may_pick_variant
+    assert [k.may_pick_variant for k in store.list_keys(team.id)] == [False, True]
+    _, admin = store.create_key(None, "ops", is_admin=True)
+    with pytest.raises(Conflict):
+        store.update_key(admin.id, may_pick_variant=True)
+    with pytest.raises(NotFound):
+        store.update_key("key_nope", may_pick_variant=True)
 
 
 def test_key_limits_and_per_key_usage_persist(store: Store):
