@@ -381,6 +381,7 @@ class BundledEngineConfig:
     restart_stable_s: float = 30.0  # a replica that ran this long starts over from restart_backoff_s
     # The bundled pool's route strategy (PoolConfig.route): prefix, least_loaded or round_robin; None: prefix.
     route: str | None = None
+    cache_scope: str = "team"  # the bundled pool's PoolConfig.cache_scope: team, key or shared
     # Disaggregated prefill (`serve --prefill-engines M`): the first M replicas compute prompts (kv_producer, the
     # pool's prefill members), the others fetch their KV and decode (kv_consumer). 0: every replica does both.
     prefill_replicas: int = 0

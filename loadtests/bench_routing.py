@@ -186,8 +186,21 @@ class Serve:
             return [urls[k] for k in sorted(urls, key=int)]
         return re.findall(r"engine ready on (http://\S+)", self.text)
 
-    def demo_key(self) -> str:
-        return re.search(r"demo team key .*: (tw-\S+)", self.text).group(1)
+    def admin_key(self) -> str:
+        return re.search(r"bootstrap ADMIN key .*: (tw-\S+)", self.text).group(1)
+
+    def team_keys(self) -> dict[str, str]:
+        """A team of the gateway's own, with a key, per workload team: the gateway scopes each team's prefix cache
+        (its pool's cache_scope) by the team the key belongs to."""
+        admin = {"authorization": f"Bearer {self.admin_key()}"}
+        keys = {}
+        for name in TEAMS:
+            r = httpx.post(self.url + "/admin/teams", json={"name": name}, headers=admin, timeout=10)
+            r.raise_for_status()
+            r = httpx.post(f"{self.url}/admin/teams/{r.json()['id']}/keys", json={"name": "bench"}, headers=admin)
+            r.raise_for_status()
+            keys[name] = r.json()["secret"]
+        return keys
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -245,7 +258,9 @@ def converse(client: openai.OpenAI, phase: str, n: int, conv: Conversation) -> t
     return results, errors
 
 
-def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Path, gateways: int = 1) -> Phase:
+def run_phase(
+    phase: Phase, work: list[Conversation], concurrency: int, tmp: Path, gateways: int = 1, cache_scope: str = "team"
+) -> Phase:
     strategy = "prefix" if phase.engines == 1 else phase.name
     tag = phase.name.replace(" ", "_")
     events_path = tmp / f"{tag}.events.jsonl"
@@ -254,6 +269,7 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
         "load_poll_interval_s": 0.25,
         "engine": {
             "route": strategy,
+            "cache_scope": cache_scope,
             "num_threads": 2,  # the machine's compute either way: 1 thread per engine of 2, 2 for the single one
             "extra_args": ["--quantization", "none", "--num-kv-blocks", str(phase.kv_blocks)],
         },
@@ -271,16 +287,18 @@ def run_phase(phase: Phase, work: list[Conversation], concurrency: int, tmp: Pat
         assert len(urls) == phase.engines, serve.text
         # with several gateway processes, a connection per request: each lands on whichever process accepts it
         http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) if gateways > 1 else None
-        client = openai.OpenAI(
-            base_url=serve.url + "/v1", api_key=serve.demo_key(), max_retries=0, timeout=300, http_client=http
-        )
+        clients = {
+            team: openai.OpenAI(base_url=serve.url + "/v1", api_key=key, max_retries=0, timeout=300, http_client=http)
+            for team, key in serve.team_keys().items()
+        }
         hits0, queries0 = prefix_counters(urls)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            done = list(pool.map(lambda nc: converse(client, phase.name, *nc), enumerate(work)))
+            done = list(pool.map(lambda nc: converse(clients[nc[1].team], phase.name, *nc), enumerate(work)))
         phase.wall_s = time.perf_counter() - t0
         phase.loadavg = os.getloadavg()[0]
-        client.close()  # no idle keep-alive connections for the gateway's graceful shutdown to wait on
+        for client in clients.values():
+            client.close()  # no idle keep-alive connections for the gateway's graceful shutdown to wait on
         hits1, queries1 = prefix_counters(urls)
         phase.hits, phase.queries = hits1 - hits0, queries1 - queries0
         phase.results = [r for rs, _ in done for r in rs]
@@ -397,11 +415,25 @@ def main() -> None:
         help="gateway processes (`serve --workers N`, sharing state, member leases and the prefix index through the "
         f"Redis at {REDIS_URL}); each request on a new connection, so either process may take it",
     )
+    ap.add_argument(
+        "--cache-scope",
+        choices=("team", "shared"),
+        default="team",
+        help="the pool's cache_scope: team (the default: each team's prefix cache its own, as the gateway serves) or "
+        "shared (teams' identical prefixes, e.g. a preamble, hit each other's cache); shared writes *_shared.*",
+    )
+    ap.add_argument(
+        "--phases",
+        default=",".join(name for name, _ in PHASES),
+        help="the rows to run, comma-separated (default all; the targets need all)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default loadtests/results/bench_routing[_preamble][_gwN]")
     args = ap.parse_args()
     preamble = args.workload == "preamble"
-    stem = ("bench_routing_preamble" if preamble else "bench_routing") + (
-        f"_gw{args.gateways}" if args.gateways > 1 else ""
+    stem = (
+        ("bench_routing_preamble" if preamble else "bench_routing")
+        + (f"_gw{args.gateways}" if args.gateways > 1 else "")
+        + ("_shared" if args.cache_scope == "shared" else "")
     )
     args.out = args.out or ROOT / "loadtests" / "results" / stem
     n = args.conversations or (16 if args.quick else 40)
@@ -415,17 +447,20 @@ def main() -> None:
     phases: list[Phase] = []
     with tempfile.TemporaryDirectory(prefix="bench_routing_") as tmp:
         for name, engines in PHASES:
+            if name not in args.phases.split(","):
+                continue
             kv = args.kv_blocks * (2 if engines == 1 else 1)
-            phases.append(run_phase(Phase(name, engines, kv), work, args.concurrency, Path(tmp), args.gateways))
+            phase = Phase(name, engines, kv)
+            phases.append(run_phase(phase, work, args.concurrency, Path(tmp), args.gateways, args.cache_scope))
     by_name = {p.name: p for p in phases}
-    checks = targets(by_name)
+    checks = targets(by_name) if len(by_name) == len(PHASES) else []
     md = [
         f"# bench_routing ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"`{' '.join(['loadtests/bench_routing.py', *sys.argv[1:]])}`: 2 engines x 1 torch thread (SmolLM2-135M, "
         f"dense), {n} seeded conversations ({turns} requests) of {len(TEAMS)} teams with ~512-token system prompts"
         f"{' opening with one shared preamble' if preamble else ''}, "
-        f"{args.concurrency} at a time, streamed"
+        f"{args.concurrency} at a time, streamed, each team with its own key, pool cache_scope {args.cache_scope}"
         f"{f', through {args.gateways} gateway processes on one Redis' if args.gateways > 1 else ''}; "
         f"KV {args.kv_blocks} blocks x 16 tokens per engine, the single "
         f"engine {2 * args.kv_blocks} (and 2 threads). Fresh `serve` per row. Warm requests: >= 256 prompt tokens "

@@ -213,3 +213,17 @@ def test_prefill_engines_flag(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tokenweir"])
     with pytest.raises(SystemExit):
         cli.main(["serve", "--engines", "2", "--prefill-engines", "2"])
+
+
+def test_the_bundled_pools_cache_scope_comes_from_the_engine_section_and_is_validated(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("engine:\n  cache_scope: shared\n")
+    config = load_config(f, env={})
+    pool = serve_engines._bundled_pool(config.engine, "", [UpstreamConfig("http://127.0.0.1:1")], {})
+    assert pool.cache_scope == "shared"
+    default = load_config(None, env={}).engine
+    assert serve_engines._bundled_pool(default, "", [UpstreamConfig("http://127.0.0.1:1")], {}).cache_scope == "team"
+    with pytest.raises(ValueError, match="cache_scope"):
+        serve_engines._bundled_pool(
+            BundledEngineConfig(cache_scope="everyone"), "", [UpstreamConfig("http://127.0.0.1:1")], {}
+        )
