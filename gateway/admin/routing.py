@@ -1,10 +1,11 @@
 """Admin API, routing: pools, their members and aliases changed at run time, and the aliases' rollouts.
 
-A change is written to the store (compare-and-set against the entry it read, so two operators never undo each
-other silently), applied on this replica at once and on every other within `routing_poll_interval_s`
-(gateway/upstream/routing_sync.py). The config file's pools and aliases are the seed a stored entry overrides.
-Draining a member stops new requests to it while those it serves finish; removing it takes it out of the table
-(requests already on it still finish). A pool name may hold '/': the member routes are matched first.
+A change is checked against the table it makes and written in one store transaction (two that race are put in
+line: the second is judged against the first's table, so no pair of changes leaves a name pointing nowhere),
+applied on this replica at once and on every other within `routing_poll_interval_s` (gateway/upstream/
+routing_sync.py). The config file's pools and aliases are the seed a stored entry overrides. Draining a member stops
+new requests to it while those it serves finish; removing it takes it out of the table (requests already on it still
+finish). A pool name may hold '/': the member routes are matched first.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from tokenweir.gateway.admin.common import OpenAIErrorRoute, error_doc, store_ca
 from tokenweir.gateway.admin.models import PLAIN_TEXT_PATTERN
 from tokenweir.gateway.config import AliasConfig, PoolConfig, UpstreamConfig, member_key_env_error, routes_error
 from tokenweir.gateway.server.services import Services, ServicesDep
-from tokenweir.gateway.store.routing import RoutingEntry, VersionConflict
-from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, Instance, Pool
+from tokenweir.gateway.store.routing import RoutingEntry
+from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, Instance, Pool, Routes
 from tokenweir.gateway.upstream.routing_sync import Composed, alias_body, pool_body
 from tokenweir.policies.canary import PROMOTED, ROLLED_BACK, RolloutState
 
@@ -33,9 +34,7 @@ router = APIRouter(route_class=OpenAIErrorRoute)
 ModelPath = Annotated[str, Path(min_length=1, max_length=256, description="The public model name.")]
 MemberName = Annotated[str, Path(min_length=1, max_length=256, pattern=PLAIN_TEXT_PATTERN)]
 _CIRCUITS = {CLOSED: "closed", HALF_OPEN: "half_open"}
-_CONFLICT: dict[int | str, dict[str, Any]] = {
-    409: error_doc("The change would leave a name pointing nowhere, or the entry changed meanwhile.")
-}
+_CONFLICT: dict[int | str, dict[str, Any]] = {409: error_doc("The change would leave a name pointing nowhere.")}
 
 
 class MemberChange(BaseModel):
@@ -73,8 +72,8 @@ def member_out(inst: Instance) -> dict:
     }
 
 
-def pool_out(services: Services, pool: Pool) -> dict:
-    routes = services.upstreams.routes
+def pool_out(services: Services, pool: Pool, routes: Routes | None = None) -> dict:
+    routes = routes or services.upstreams.routes
     queue = services.queues.get(pool.model)
     return {
         "object": "pool",
@@ -87,8 +86,8 @@ def pool_out(services: Services, pool: Pool) -> dict:
     }
 
 
-def alias_out(services: Services, alias: AliasConfig) -> dict:
-    routes = services.upstreams.routes
+def alias_out(services: Services, alias: AliasConfig, routes: Routes | None = None) -> dict:
+    routes = routes or services.upstreams.routes
     serving = routes.aliases[alias.model]
     out: dict[str, Any] = {
         "object": "alias",
@@ -108,6 +107,40 @@ def alias_out(services: Services, alias: AliasConfig) -> dict:
             "windows": {alias.rollout.canary: canary.to_dict(), alias.rollout.baseline: baseline.to_dict()},
         }
     return out
+
+
+def written_routes(services: Services, model: str, version: int, table: Composed) -> Routes:
+    """The table a change of `model` wrote (at `version`), for its answer when a later change, another writer's, has
+    already taken the name out here: the write stands, whatever came after it. Its pool `model` has no state yet."""
+    pools = {
+        p.model: Pool(p, [Instance(u, services.config.breaker) for u in p.upstreams])
+        for p in table.pools
+        if p.model == model
+    }
+    return Routes(
+        pools,
+        {a.model: a for a in table.aliases},
+        version,
+        declared={a.model: a for a in table.declared},
+        rollouts=table.rollouts,
+        entry_versions=table.entry_versions,
+    )
+
+
+def pool_written(services: Services, model: str, written: tuple[int, Composed]) -> dict:
+    """A written pool as this replica serves it now, else as written (`written_routes`)."""
+    if (pool := services.upstreams.pools.get(model)) is not None:
+        return pool_out(services, pool)
+    routes = written_routes(services, model, *written)
+    return pool_out(services, routes.pools[model], routes)
+
+
+def alias_written(services: Services, model: str, written: tuple[int, Composed]) -> dict:
+    """A written alias as this replica serves it now, else as written (`written_routes`)."""
+    if (alias := services.upstreams.routes.declared.get(model)) is not None:
+        return alias_out(services, alias)
+    routes = written_routes(services, model, *written)
+    return alias_out(services, routes.declared[model], routes)
 
 
 def pool_or_404(services: Services, model: str) -> Pool:
@@ -144,26 +177,29 @@ async def list_rollouts(services: ServicesDep) -> dict:
 # --- writes ---------------------------------------------------------------------------------------------------
 
 
-async def change(services: Services, kind: str, name: str, make: Callable[[Composed], dict | None]) -> None:
-    """Write the entry `make` builds from the stored table now (None: remove the name), if the table it makes is
-    whole; retried when another writer moved the entry between the read and the write."""
-    store, sync = store_of(services), services.routing
-    for _ in range(3):
-        version, entries = await store_call(store.routing_entries)
-        composed = sync.composed(entries)
-        body = make(composed)
+async def change(
+    services: Services, kind: str, name: str, make: Callable[[Composed], dict | None]
+) -> tuple[int, Composed]:
+    """Write the entry `make` builds from the table as stored (None: remove the name), if the table it makes is
+    whole; returns the routing version written and that table. The store reads the table, calls `make` and writes in
+    one transaction no other routing write enters, so two writers that race are put in line and the second is judged
+    against the table the first made."""
+    sync = services.routing
+    made: list[Composed] = []
+
+    def build(entries: list[RoutingEntry]) -> dict | None:
+        body = make(sync.composed(entries))
         after = sync.composed([e for e in entries if (e.kind, e.name) != (kind, name)] + [
-            RoutingEntry(kind, name, body, version + 1, "")
+            RoutingEntry(kind, name, body, 0, "")
         ])  # fmt: skip
         if (error := routes_error(after.pools, after.aliases)) is not None:
             raise APIError(409, f"{error}.", "routing_conflict")
-        try:
-            await store_call(store.put_routing, kind, name, body, composed.entry_versions.get((kind, name), 0))
-        except VersionConflict:
-            continue
-        await sync.refresh(force=True)
-        return
-    raise APIError(409, f"The {kind} {name!r} kept changing under this request; retry.", "version_conflict")
+        made.append(after)
+        return body
+
+    version = await store_call(store_of(services).change_routing, kind, name, build)
+    await sync.refresh(force=True)
+    return version, made[-1]
 
 
 def stored_pool(composed: Composed, model: str) -> PoolConfig:
@@ -209,8 +245,7 @@ async def add_member(model: ModelPath, body: UpstreamConfig, services: ServicesD
             raise APIError(409, f"Pool {model!r} has a member named {body.name!r}.", "duplicate_member", "name")
         return pool_body(dataclasses.replace(pool, upstreams=[*pool.upstreams, body]))
 
-    await change(services, "pool", model, make)
-    return pool_out(services, pool_or_404(services, model))
+    return pool_written(services, model, await change(services, "pool", model, make))
 
 
 def _member_index(pool: PoolConfig, name: str) -> int:
@@ -234,8 +269,7 @@ async def change_member(model: ModelPath, name: MemberName, body: MemberChange, 
         check_keys([dataclasses.replace(upstreams[i], api_key=None)], services.config.api_key_envs)
         return pool_body(dataclasses.replace(pool, upstreams=upstreams))
 
-    await change(services, "pool", model, make)
-    return pool_out(services, pool_or_404(services, model))
+    return pool_written(services, model, await change(services, "pool", model, make))
 
 
 @router.delete("/pools/{model:path}/members/{name}", summary="Remove a member (drain it first)", responses=_CONFLICT)
@@ -245,8 +279,7 @@ async def remove_member(model: ModelPath, name: MemberName, services: ServicesDe
         i = _member_index(pool, name)
         return pool_body(dataclasses.replace(pool, upstreams=pool.upstreams[:i] + pool.upstreams[i + 1 :]))
 
-    await change(services, "pool", model, make)
-    return pool_out(services, pool_or_404(services, model))
+    return pool_written(services, model, await change(services, "pool", model, make))
 
 
 @router.get("/pools/{model:path}", summary="Get a pool", responses={404: error_doc("No such pool.")})
@@ -258,8 +291,7 @@ async def get_pool(model: ModelPath, services: ServicesDep) -> dict:
 async def put_pool(model: ModelPath, body: PoolConfig, services: ServicesDep) -> dict:
     check_same_model(body.model, model)
     check_keys(body.upstreams, services.config.api_key_envs)
-    await change(services, "pool", model, lambda _: pool_body(body))
-    return pool_out(services, pool_or_404(services, model))
+    return pool_written(services, model, await change(services, "pool", model, lambda _: pool_body(body)))
 
 
 @router.delete("/pools/{model:path}", summary="Remove a pool (requests in flight finish)", responses=_CONFLICT)
@@ -280,8 +312,7 @@ async def get_alias(model: ModelPath, services: ServicesDep) -> dict:
 async def put_alias(model: ModelPath, body: AliasConfig, services: ServicesDep) -> dict:
     check_same_model(body.model, model)
     state = RolloutState(since=time.time()) if body.rollout is not None else None
-    await change(services, "alias", model, lambda _: alias_body(body, state))
-    return alias_out(services, alias_or_404(services, model))
+    return alias_written(services, model, await change(services, "alias", model, lambda _: alias_body(body, state)))
 
 
 @router.delete("/aliases/{model:path}", summary="Remove an alias", responses=_CONFLICT)
@@ -302,8 +333,7 @@ async def _decide(services: Services, model: str, status: str) -> dict:
         state = composed.rollouts.get(model) or RolloutState()
         return alias_body(alias, dataclasses.replace(state, status=status, since=time.time(), reason="by an operator"))
 
-    await change(services, "alias", model, make)
-    return alias_out(services, alias_or_404(services, model))
+    return alias_written(services, model, await change(services, "alias", model, make))
 
 
 @router.post("/rollouts/{model:path}/rollback", summary="Roll a canary back now (its share goes to 0)")

@@ -126,10 +126,12 @@ class Store(UsageQueries, RoutingQueries):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield Db(conn, False)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                conn.execute("COMMIT")
+            finally:
+                # An error, or a COMMIT that failed (a deferred constraint; a busy file in rollback-journal mode):
+                # SQLite may keep the transaction open, and every later BEGIN on this connection would fail.
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
 
     def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]:
         with self._lock:

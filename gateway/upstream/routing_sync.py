@@ -139,6 +139,8 @@ class RoutingSync:
         self.version = 0  # the store's routing version applied here
         # the last table applied, as composed (before discovery's expansion), and its version
         self.applied = (0, Composed(self.seed_pools, self.seed_aliases, {}, {}))
+        # one refresh at a time: a slower one (the poll's) never applies its older table over a newer one
+        self._refreshing = asyncio.Lock()
         self.poll = Periodic(self.refresh, "routing_refresh_failed")  # the store away: the table we have stands
         self.discover = Periodic(self.rediscover, "discovery_failed")
 
@@ -147,6 +149,10 @@ class RoutingSync:
 
     async def refresh(self, force: bool = False) -> bool:
         """Reload and apply the table if the store's version moved (or `force`); True if it applied one."""
+        async with self._refreshing:
+            return await self._refresh(force)
+
+    async def _refresh(self, force: bool) -> bool:
         if not force and await asyncio.to_thread(self.store.routing_version) == self.version:
             return False
         version, entries = await asyncio.to_thread(self.store.routing_entries)

@@ -1,6 +1,7 @@
 """Runtime pools and aliases through the admin API, on two gateway replicas sharing one store file: a member added,
 drained and removed under load with no 5xx and one event per request; an alias change reaching the other replica
-within 5 s; the admin API's refusals (a dangling name, a key in the body, an unknown pool or member)."""
+within 5 s; the admin API's refusals (a dangling name, a key in the body, an unknown pool or member); racing admin
+writes on both replicas waiting for the file's lock, never a 503."""
 
 from __future__ import annotations
 
@@ -188,3 +189,18 @@ async def test_the_admin_api_refuses_what_would_break_the_table(replicas):
         r = await admin.post("/admin/pools/m/members", json={"base_url": "http://h:1", "name": "u0"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate_member"
         assert (await admin.get("/admin/aliases/ghost")).status_code == 404
+
+
+async def test_racing_admin_writes_on_two_replicas_sharing_one_sqlite_file_wait_for_the_lock(replicas):
+    team_id, _ = team(replicas)
+    clients = [httpx.AsyncClient(base_url=url, headers=replicas["admin"], timeout=30) for url in replicas["urls"]]
+    try:
+        limits = [clients[i % 2].put(f"/admin/teams/{team_id}/limits", json={"rpm": i + 1}) for i in range(40)]
+        pools = [
+            clients[i % 2].put("/admin/pools/other", json={"model": "other", "capacity": i + 1}) for i in range(10)
+        ]
+        answers = await asyncio.gather(*limits, *pools)
+    finally:
+        for c in clients:
+            await c.aclose()
+    assert Counter(r.status_code for r in answers) == {200: 50}, [r.text for r in answers if r.status_code != 200]
