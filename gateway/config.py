@@ -29,7 +29,7 @@ from typing import TypeVar
 import orjson
 import yaml
 
-from tokenweir.common.engine_flags import API_KEY_ENV
+from tokenweir.common.engine_flags import API_KEY_ENV, KV_TRANSFER_KEY_ENV
 from tokenweir.common.http.door_limits import HttpLimits
 from tokenweir.common.tracing import EXPORTERS, exporter_error
 from tokenweir.policies.pricing import Prices, price_error
@@ -48,6 +48,7 @@ OTHER_ENV = frozenset(
         "TOKENWEIR_ADMIN_KEY",  # gateway/process/bootstrap.py
         "TOKENWEIR_ATTENTION_BACKEND",  # the engine
         "TOKENWEIR_ENGINE_API_KEY",  # the engine's --api-key (engine/flags.py)
+        KV_TRANSFER_KEY_ENV,  # the key serve's engines sign KV transfers with (one given to serve is used)
     }
 )
 # The env variables a member's `api_key_env` may name: the gateway sends that variable's value to the member's
@@ -426,8 +427,12 @@ class RolloutConfig:
     """A canary rollout of an alias's variant: its share of the subjects (percent) steps up through `steps`, each
     held at least `step_s` seconds, while over the last `window_s` seconds (with at least `min_requests` of each)
     its error rate stays within `max_error_rate_delta` of the baseline variant's and its TTFT p95 and TPOT p95
-    within `max_ttft_p95_ratio` / `max_tpot_p95_ratio` times the baseline's. A breach sets its weight to 0 on every
-    replica (rolled back); passing the last step promotes it (100%). The baseline gets what the canary does not."""
+    within `max_ttft_p95_ratio` / `max_tpot_p95_ratio` times the baseline's (a p95 that far above is a breach only
+    when it is also `min_ttft_p95_delta_ms` / `min_tpot_p95_delta_ms` above it). A step waits until latency can be
+    judged: 20 latencies of each in the window (policies/canary.py MIN_LATENCY_SAMPLES), even with a smaller
+    `min_requests`. A breach, or a canary with no healthy member that failed a request, sets its weight to 0 on
+    every replica (rolled back); passing the last step promotes it (100%). The baseline gets what the canary does
+    not, and serves a canary's request the canary's pool (and its fallbacks) could not."""
 
     canary: str  # variant names
     baseline: str
@@ -438,6 +443,8 @@ class RolloutConfig:
     max_error_rate_delta: float = 0.05
     max_ttft_p95_ratio: float = 1.5
     max_tpot_p95_ratio: float = 1.5
+    min_ttft_p95_delta_ms: float = 50.0  # two fast upstreams' p95s differ by a few ms of noise: no breach
+    min_tpot_p95_delta_ms: float = 2.0
 
     __pydantic_config__ = _STRICT
 
@@ -448,6 +455,8 @@ class RolloutConfig:
             raise ValueError("rollout: step_s > 0, window_s > 0, min_requests >= 1")
         if self.max_error_rate_delta < 0 or self.max_ttft_p95_ratio < 1 or self.max_tpot_p95_ratio < 1:
             raise ValueError("rollout: max_error_rate_delta >= 0, max_ttft_p95_ratio >= 1, max_tpot_p95_ratio >= 1")
+        if self.min_ttft_p95_delta_ms < 0 or self.min_tpot_p95_delta_ms < 0:
+            raise ValueError("rollout: min_ttft_p95_delta_ms >= 0, min_tpot_p95_delta_ms >= 0")
 
 
 @dataclass

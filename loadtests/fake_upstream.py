@@ -17,7 +17,8 @@ Knobs (per request, in the body so they pass through the gateway as extra fields
   - overrun: true to make `tokens` whatever max_tokens says (an upstream that ignores it)
   - arrive_ms: the request reaches the model this much later (still on the wire); aborted before then, it is refused
     on arrival and makes nothing, as our engine does
-Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503).
+Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.down` (every request 503), `.garbage`
+(every chat or completion answered 200 with a JSON object that has usage but no `choices`).
 Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
 length; each stream chunk is one token; n choices make n x tokens, for each prompt of a completions batch. An
 embedding input costs what a prompt does.
@@ -57,6 +58,7 @@ class FakeUpstream:
     aborted_unseen: set[str] = field(default_factory=set)  # aborted before they arrived: refused if they do
     fail_next: int = 0
     down: bool = False
+    garbage: bool = False
     requests_seen: int = 0
     max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
     ttft_ms: float = 0.0  # added to every answer's first-token delay (a slower model version)
@@ -125,6 +127,9 @@ class FakeUpstream:
         rid = headers.get(b"x-request-id", b"").decode() or f"fake-{self.requests_seen}"
         if path == "/v1/embeddings":
             return await self._embed(send, req, rid)
+        if self.garbage:
+            usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+            return await _json(send, 200, {"id": f"cmpl-{rid}", "object": "text_completion", "usage": usage})
         chat = path == "/v1/chat/completions"
         if knobs.get("arrive_ms"):  # still on its way to the engine this long (a slow network, a busy server)
             await asyncio.sleep(knobs["arrive_ms"] / 1000)

@@ -2,8 +2,11 @@
 
 A rollout steps a canary variant's share of the subjects up a list of percentages. At each step the canary and
 the baseline are compared over a sliding window (with a minimum sample of each): an error rate above the
-baseline's by more than a margin, or a TTFT p95 or TPOT p95 above the baseline's by more than a ratio, is a breach
-(rolled back: share 0); a step held long enough with no breach moves to the next; past the last, promoted (100%).
+baseline's by more than a margin, or a TTFT p95 or TPOT p95 above the baseline's by more than a ratio and by more
+than an absolute floor (a few ms of scheduling noise between two fast upstreams is no regression), is a breach
+(rolled back: share 0), and so is a canary left with no healthy member once it has failed a request. A step held
+long enough with no breach moves to the next only once latency was judged too (each window holds
+MIN_LATENCY_SAMPLES latencies, whatever `min_requests` says); past the last, promoted (100%).
 Pure: the windows are filled and the state stored by gateway/upstream/rollouts.py.
 """
 
@@ -14,8 +17,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 PROGRESSING, PROMOTED, ROLLED_BACK = "progressing", "promoted", "rolled_back"
-# A p95 of fewer values is their maximum: one slow request would decide. Latency is judged on at least this many.
+# A p95 of fewer values is their maximum: one slow request would decide. Latency is judged on at least this many,
+# and no step is taken before it was.
 MIN_LATENCY_SAMPLES = 20
+# The gateway's reason for a request no member of its variant's pool could be asked to serve (every circuit open,
+# none, all draining): the variant's failure, though its upstream never saw the request.
+UNDELIVERED_REASONS = frozenset({"upstream_unavailable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,8 @@ class Thresholds:
     max_error_rate_delta: float
     max_ttft_p95_ratio: float
     max_tpot_p95_ratio: float
+    min_ttft_p95_delta_ms: float = 0.0  # a latency breach is also this far above the baseline's p95
+    min_tpot_p95_delta_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,18 +106,25 @@ class Window:
         return Summary(n, errors / n if n else 0.0, p95(ttfts, least), p95(tpots, least))
 
 
-def judged(status: str, http_status: int, served_by_variant: bool) -> bool | None:
+def judged(status: str, reason: str | None, http_status: int, served_by_variant: bool) -> bool | None:
     """How a finished request of a variant counts in its window, from what the variant's upstream did: True, it
-    served it; False, it failed it (a 5xx, no instance of it answered, a timeout, or another pool had to serve it);
-    None, it says nothing of the variant: refused by the gateway before the variant's upstream saw it (its own 4xx:
-    rate, budget, bad input, too long; or 503 with no instance to try), a client error the upstream answered with a
-    4xx, or cancelled. A request's outcome is gateway/request/outcome.py's (status: ok | rejected | error | timeout |
-    cancelled)."""
+    served it; False, it failed it (a 5xx, a malformed answer or an error event mid-stream, a timeout, no member of
+    its pool could be asked: every circuit open, none, all draining; or another pool had to serve it); None, it says
+    nothing of the variant: refused by the gateway before the variant's upstream saw it (its own 4xx: rate, budget,
+    bad input, too long; its queue full), a client error the upstream answered with a 4xx, or cancelled. A request's
+    outcome is gateway/request/outcome.py's (status: ok | rejected | error | timeout | cancelled; its reason)."""
     if status == "ok":
         return served_by_variant
-    if status == "timeout" or (status == "error" and http_status >= 500):
+    if status == "timeout" or (status == "error" and http_status >= 500) or reason in UNDELIVERED_REASONS:
         return False
     return None
+
+
+def restarted(before: RolloutState | None, now: RolloutState) -> bool:
+    """`now` is the rollout started over since `before` (the state a replica judged last): a start is the only state
+    at step 0 and progressing with a `since` of its own (a step, a promotion or a rollback is never at step 0 and
+    progressing). A started rollout is judged on what came after it: its windows begin empty."""
+    return before is not None and now.status == PROGRESSING and now.step == 0 and now != before
 
 
 def p95(values: list[float], min_count: int) -> float | None:
@@ -128,12 +144,15 @@ def breach(canary: Summary, baseline: Summary, t: Thresholds) -> str | None:
             f"error rate {canary.error_rate:.1%} vs baseline {baseline.error_rate:.1%} "
             f"(allowed +{t.max_error_rate_delta:.1%})"
         )
-    for name, ours, theirs, ratio in (
-        ("TTFT p95", canary.ttft_p95, baseline.ttft_p95, t.max_ttft_p95_ratio),
-        ("TPOT p95", canary.tpot_p95, baseline.tpot_p95, t.max_tpot_p95_ratio),
+    for name, ours, theirs, ratio, floor_ms in (
+        ("TTFT p95", canary.ttft_p95, baseline.ttft_p95, t.max_ttft_p95_ratio, t.min_ttft_p95_delta_ms),
+        ("TPOT p95", canary.tpot_p95, baseline.tpot_p95, t.max_tpot_p95_ratio, t.min_tpot_p95_delta_ms),
     ):
-        if ours is not None and theirs is not None and ours > theirs * ratio:
-            return f"{name} {ours * 1000:.1f} ms vs baseline {theirs * 1000:.1f} ms (allowed x{ratio:g})"
+        if ours is not None and theirs is not None and ours > theirs * ratio and ours - theirs > floor_ms / 1000:
+            return (
+                f"{name} {ours * 1000:.1f} ms vs baseline {theirs * 1000:.1f} ms "
+                f"(allowed x{ratio:g} or +{floor_ms:g} ms)"
+            )
     return None
 
 
@@ -145,19 +164,24 @@ def advance(
     canary: Summary,
     baseline: Summary,
     t: Thresholds,
+    canary_reachable: bool = True,
 ) -> RolloutState | None:
-    """The rollout's next state, or None when it stays as it is: rolled back on a breach; one step up when the step
-    was held `step_s` with enough of both variants judged and no breach; promoted past the last step."""
+    """The rollout's next state, or None when it stays as it is: rolled back on a breach, or at once when the
+    canary has no healthy member (`canary_reachable` False: every member's circuit open, down or draining, or none)
+    and its window holds a failure; one step up when the step was held `step_s` with enough of both variants judged,
+    their latency included, and no breach; promoted past the last step."""
     if state.status != PROGRESSING:
         return None
     why = breach(canary, baseline, t)
+    if why is None and not canary_reachable and canary.error_rate > 0:
+        why = "no healthy member in the canary's pool (every circuit open, down or draining)"
     if why is not None:
         return replace(state, status=ROLLED_BACK, since=now, reason=why)
     # a step's canary share of 100% leaves no baseline to compare with: it is held, then promoted, by time alone
-    judged = canary.requests >= t.min_requests and (
-        baseline.requests >= t.min_requests or state.canary_share(steps) >= 100
-    )
-    if now - state.since < step_s or not judged:
+    alone = state.canary_share(steps) >= 100
+    judged = canary.requests >= t.min_requests and (baseline.requests >= t.min_requests or alone)
+    latency_judged = alone or (canary.ttft_p95 is not None and baseline.ttft_p95 is not None)
+    if now - state.since < step_s or not judged or not latency_judged:
         return None
     if state.step + 1 >= len(steps):
         return RolloutState(state.step, now, PROMOTED, f"held {len(steps)} steps within the thresholds")

@@ -48,7 +48,7 @@ from tokenweir.gateway.request.queue import queue_for
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.tracing import gateway_tracing
-from tokenweir.gateway.request.variant_choice import choose_variant
+from tokenweir.gateway.request.variant_choice import baseline_pool, choose_variant
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
@@ -263,6 +263,8 @@ class Admission:
         assert ctx.max_tokens is not None  # apply_caps set it
         target = ctx.context_fallback or ctx.model
         plan = [target, *pools[target].cfg.fallbacks]
+        if (baseline := baseline_pool(ctx)) is not None:  # a rollout's canary: its baseline's pool is its last hop
+            plan.append(baseline)
         if ctx.kind == "embeddings":  # as dispatch routes them: a fallback that serves no embeddings is no hop
             plan = [m for m in plan if m == ctx.model or pools[m].serves_embeddings]
         ctx.cost_reserved = max_cost_over((pools[m].cfg.prices for m in plan), ctx.prompt_tokens, ctx.max_tokens)

@@ -97,6 +97,19 @@ def failure_reason(status: int) -> str:
     return f"HTTP {status}"
 
 
+def answer_fault(path: str, answer: object) -> str | None:
+    """Why a 200 JSON answer to `path` is no answer (a failure of the hop: the next one may serve the request, and
+    nothing of it is relayed or billed), or None: an object with a non-empty list of `choices` (chat, completions)
+    or of `data` (embeddings), each an object."""
+    if not isinstance(answer, dict):
+        return "an answer that is not a JSON object"
+    key = "data" if path.endswith("/embeddings") else "choices"
+    items = answer.get(key)
+    if not isinstance(items, list) or not items or not all(isinstance(item, dict) for item in items):
+        return f"an answer without {key}"
+    return None
+
+
 def make_client(connect_s: float = 5.0) -> UpstreamClient:
     # No read timeout of its own: our deadlines bound reads (a long stream may pause between tokens).
     return UpstreamClient(connect_timeout_s=connect_s)
@@ -130,7 +143,8 @@ async def call_json(
     deadline: float,
     traceparent: str | None = None,
 ):
-    """Non-stream request -> (parsed JSON, raw body). TimeoutError past the deadline."""
+    """Non-stream request -> (parsed JSON, raw body): a 200 whose body is an answer (`answer_fault`); anything else
+    is the hop's failure (UpstreamFailed) or the client's (UpstreamRejected). TimeoutError past the deadline."""
     base, content, headers = upstream_request(hop, body, request_id, False, traceparent)
     async with asyncio.timeout_at(deadline):
         try:
@@ -146,9 +160,12 @@ async def call_json(
     if r.status_code != 200:
         raise UpstreamRejected(r.status_code, raw)
     try:
-        return orjson.loads(raw), raw
+        answer = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise failed(hop, "invalid JSON body") from e
+    if (fault := answer_fault(path, answer)) is not None:
+        raise failed(hop, fault)
+    return answer, raw
 
 
 class SSEStream:

@@ -405,15 +405,15 @@ class Settler:
 
     def observe_variant(self, ctx: RequestRecord, tpot: float | None) -> None:
         """A canary is judged by what its own pool did (policies/canary.py `judged`): a request another pool served
-        (a fallback) failed there; one refused (by the gateway, or by the upstream as the client's error) or
-        cancelled says nothing about it, nor does one steered to a variant by the header (a tenant's choice)."""
+        (a fallback, the baseline) or none could be asked to failed there; one refused (by the gateway, or by the
+        upstream as the client's error) or cancelled says nothing about it, nor does one steered by the header."""
         if self.rollouts is None or ctx.alias is None or ctx.variant is None or ctx.model is None or ctx.steered:
             return
-        ok = judged(ctx.outcome.status, ctx.outcome.http_status, ctx.served_model == ctx.model)
+        ok = judged(ctx.outcome.status, ctx.outcome.reason, ctx.outcome.http_status, ctx.served_model == ctx.model)
         if ok is None:
             return
         ttft, tpot = (ctx.ttft_s, tpot) if ok else (None, None)
-        self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot)
+        self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot, ctx.t0)
 
 
 # the event's names for what a decode hop's kv_transfer_params say it fetched (engine/kv_transfer/params.py)

@@ -16,7 +16,10 @@ class ChunkFilter:
     choice's content delta beyond `per_choice` (the max_tokens it was sent) proves the upstream ignored that bound
     (a compliant one never gets there). That delta becomes the end of the choice (finish_reason "length") and what
     the upstream sends for it afterwards is dropped; once nothing more can reach the client (`cut_off`), the relay
-    stops reading, and `ending` writes the stream's last events itself."""
+    stops reading, and `ending` writes the stream's last events itself.
+
+    A stream that reaches [DONE] before any choice came is no answer: an `error` (the hop failed before its first
+    byte; the next may serve the request), and that [DONE] is dropped."""
 
     def __init__(
         self,
@@ -47,6 +50,9 @@ class ChunkFilter:
     def process(self, data: bytes) -> bytes | None:
         """SSE bytes to send to the client for this payload, or None to drop it."""
         if data == b"[DONE]":
+            if self.first_token_at is None:
+                self.error = {"message": "the stream ended without a choice"}
+                return None
             self.done = True
             return b"data: [DONE]\n\n"
         try:

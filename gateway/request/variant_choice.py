@@ -6,6 +6,10 @@ one of weight 0 included (that is how an operator tests a dark variant); without
 `variant_not_allowed`) before anything else is known of the request. A request routed by the header is `steered`:
 served, billed and recorded as that variant, but left out of its rollout's windows (gateway/request/settle.py), so
 that no tenant can steer a rollout's verdict by choosing where its requests go.
+
+A rollout's canary request (not steered) has its baseline's pool as its last hops (`baseline_hops`): a canary that
+fails, or has no member left to try, never costs its client the answer, and the request still counts as the canary's
+failure (another pool served it).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from starlette.datastructures import Headers
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.request.context import RequestContext, clip
+from tokenweir.gateway.upstream.pools import Hop, Upstreams
 from tokenweir.policies import variants
 
 VARIANT_HEADER = "x-tokenweir-variant"  # picks an alias's variant outright (testing one), for a key that may
@@ -52,3 +57,23 @@ def choose_variant(ctx: RequestContext, headers: Headers, may_pick: bool) -> Non
         variant = alias.variants[variants.pick_variant([v.weight for v in alias.variants], point)]
     ctx.alias, ctx.variant, ctx.model = alias.model, variant.name, variant.pool
     ctx.steered = asked is not None
+
+
+def baseline_pool(ctx: RequestContext) -> str | None:
+    """The baseline's pool of a rollout whose canary this request got by weight; None for any other request (one
+    steered to the canary by the header sees the canary's own failures)."""
+    alias = ctx.aliases.get(ctx.alias) if ctx.alias is not None else None
+    r = alias.rollout if alias is not None else None
+    if alias is None or r is None or ctx.variant != r.canary or ctx.steered:
+        return None
+    pool = alias.variant(r.baseline).pool
+    return pool if pool != ctx.model and pool in ctx.pools else None
+
+
+def baseline_hops(ctx: RequestContext, upstreams: Upstreams, plan: list[Hop]) -> list[Hop]:
+    """The hops to add after a canary request's route `plan`: its baseline pool's members, unless the plan has them."""
+    pool = baseline_pool(ctx)
+    if pool is None or any(h.model == pool for h in plan):
+        return []
+    hops, _, _ = upstreams.route(pool, None, ctx.model, ctx.routes)
+    return [h for h in hops if h.model == pool]

@@ -3,7 +3,10 @@ writes a step, a promotion or a rollback to the store with compare-and-set on th
 decision wins and every replica applies it at its next routing refresh (within `routing_poll_interval_s`).
 
 What a replica judges is what it served: with N replicas each sees about 1/N of the traffic, so `min_requests` is a
-per-replica sample. A breach seen by any replica rolls the canary back everywhere.
+per-replica sample. A breach seen by any replica rolls the canary back everywhere. A rollout started over (a PUT of
+its alias) is judged on what came after: its windows are emptied when a replica first sees the new start, and a
+request that arrived before then is not counted in them. A canary's pool is healthy while some member of it may take
+a request (its circuit closed, or half-open with a probe out; not down, not draining).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from tokenweir.gateway.config import AliasConfig, RolloutConfig
 from tokenweir.gateway.store.routing import VersionConflict
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.periodic import Periodic
-from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.gateway.upstream.pools import OPEN, Pool, Upstreams
 from tokenweir.gateway.upstream.routing_sync import RoutingSync, alias_body
-from tokenweir.policies.canary import PROGRESSING, RolloutState, Summary, Thresholds, Window, advance
+from tokenweir.policies.canary import PROGRESSING, RolloutState, Summary, Thresholds, Window, advance, restarted
 
 if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics
@@ -41,7 +44,21 @@ def append_durably(path: Path, line: bytes) -> None:
 
 
 def thresholds(r: RolloutConfig) -> Thresholds:
-    return Thresholds(r.window_s, r.min_requests, r.max_error_rate_delta, r.max_ttft_p95_ratio, r.max_tpot_p95_ratio)
+    return Thresholds(
+        r.window_s,
+        r.min_requests,
+        r.max_error_rate_delta,
+        r.max_ttft_p95_ratio,
+        r.max_tpot_p95_ratio,
+        r.min_ttft_p95_delta_ms,
+        r.min_tpot_p95_delta_ms,
+    )
+
+
+def healthy(pool: Pool | None) -> bool:
+    """Some member of the pool may take a request: not down, not draining, its circuit not open (closed, or
+    half-open with a probe out). False for a pool with no member, or none left in the table."""
+    return pool is not None and any(i.circuit != OPEN and not i.cfg.draining for i in pool.serving)
 
 
 class Rollouts:
@@ -59,16 +76,31 @@ class Rollouts:
         # (alias, variant, its pool) -> this replica's recent outcomes: a variant pointed at another pool (a new
         # canary under the same name) starts with an empty window
         self.windows: dict[tuple[str, str, str], Window] = {}
+        # alias -> the rollout's state this replica judged last, and when (time.perf_counter, a request's clock) it
+        # last saw the rollout start over: requests that arrived before that are the old rollout's
+        self.seen: dict[str, RolloutState] = {}
+        self.started_at: dict[str, float] = {}
         self.judge = Periodic(self.tick, "rollout_tick_failed")  # the store away: judged again next time
 
     def observe(
-        self, alias: str, variant: str, pool: str, ok: bool, ttft_s: float | None, tpot_s: float | None
+        self,
+        alias: str,
+        variant: str,
+        pool: str,
+        ok: bool,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        arrived: float | None = None,
     ) -> None:
         """A finished request of an alias's variant served by `pool`: ok (by the variant's own pool, no error), its
-        TTFT and TPOT (None where it has none: a failure, one token)."""
+        TTFT and TPOT (None where it has none: a failure, one token); `arrived`: its time.perf_counter() at arrival
+        (one that came before its rollout started over is not counted)."""
         declared = self.upstreams.routes.declared.get(alias)
         r = declared.rollout if declared is not None else None
         if r is None or variant not in (r.canary, r.baseline):
+            return
+        self.follow(alias)
+        if arrived is not None and arrived < self.started_at.get(alias, arrived):
             return
         window = self.windows.setdefault((alias, variant, pool), Window(r.window_s))
         window.window_s = r.window_s
@@ -78,6 +110,7 @@ class Rollouts:
         """The canary's and the baseline's windows, now."""
         r = alias.rollout
         assert r is not None
+        self.follow(alias.model)
         now = time.monotonic()
         empty = Window(r.window_s)
         canary, baseline = (
@@ -98,10 +131,22 @@ class Rollouts:
                 continue
             self.report(alias, state)
             canary, baseline = self.summaries(alias)
-            nxt = advance(state, r.steps, r.step_s, time.time(), canary, baseline, thresholds(r))
+            reachable = healthy(routes.pools.get(alias.variant(r.canary).pool))
+            nxt = advance(state, r.steps, r.step_s, time.time(), canary, baseline, thresholds(r), reachable)
             if nxt is not None:
                 to = nxt.status if nxt.status != PROGRESSING else "step"
                 await self.write(alias, nxt, to, canary, baseline)
+
+    def follow(self, alias: str) -> None:
+        """Note the alias's rollout state as stored now; one that started over empties the alias's windows."""
+        state = self.upstreams.routes.rollouts.get(alias)
+        if state is None:  # (none yet, or the rollout removed: a later one starts at step 0 with its own `since`)
+            return
+        if restarted(self.seen.get(alias), state):
+            for key in [k for k in self.windows if k[0] == alias]:
+                del self.windows[key]
+            self.started_at[alias] = time.perf_counter()
+        self.seen[alias] = state
 
     async def write(
         self,

@@ -1,5 +1,5 @@
 """Canary rollouts on two gateway replicas sharing Redis (limits) and one store file (routing): a canary that fails
-(its upstream answers 503) or is 3x slower to a first token is rolled back on both replicas within its window while
+(its upstream answers 503) or is 10x slower to a first token is rolled back on both replicas within its window while
 every request still succeeds (the canary pool falls back to the stable one); a healthy one is stepped up and
 promoted. The decision is an event, a log line, a metric and the /admin/rollouts state."""
 
@@ -125,7 +125,8 @@ async def rollout_states(info: dict) -> list[dict]:
 async def test_a_failing_or_slow_canary_is_rolled_back_on_both_replicas_and_requests_keep_succeeding(
     tmp_path, redis_prefix, fault
 ):
-    canary = FakeUpstream(model="m", down=fault == "errors", ttft_ms=60 if fault == "slow" else 0)
+    # slow: 110 ms more than the stable one's ~10 ms, well past the ratio and the absolute floor (50 ms) of a breach
+    canary = FakeUpstream(model="m", down=fault == "errors", ttft_ms=110 if fault == "slow" else 0)
     rollout = RolloutConfig(canary="canary", baseline="stable", steps=[50, 100], step_s=3600, window_s=30)
     rollout.min_requests = 15
     with stack(tmp_path, canary, rollout, redis_prefix) as info:
@@ -141,7 +142,9 @@ async def test_a_failing_or_slow_canary_is_rolled_back_on_both_replicas_and_requ
         assert took < rollout.window_s  # within the window
         assert all(s["weights"] == {"stable": 100.0, "canary": 0.0} for s in states)
         reason = states[0]["rollout"]["reason"]
-        assert reason.startswith("error rate" if fault == "errors" else "TTFT p95"), reason
+        # a canary whose every request fails is rolled back once its circuit opens (no healthy member), if its error
+        # rate did not do it first
+        assert reason.startswith(("error rate", "no healthy member") if fault == "errors" else "TTFT p95"), reason
         assert set(statuses) == {200}, statuses  # the canary's failures fell back to the stable pool
         # after the rollback (both replicas applied it) no subject gets the canary
         seen = canary.requests_seen
@@ -149,7 +152,9 @@ async def test_a_failing_or_slow_canary_is_rolled_back_on_both_replicas_and_requ
         assert set(after) == {200} and canary.requests_seen == seen
         decisions = [e for path in info["decisions"] for e in read_events(path)]
         assert [e["transition"] for e in decisions if e["transition"] != "started"] == ["rolled_back"]
-        assert decisions[-1]["reason"] == reason and decisions[-1]["canary_window"]["requests"] >= 15
+        assert decisions[-1]["reason"] == reason
+        if not reason.startswith("no healthy member"):
+            assert decisions[-1]["canary_window"]["requests"] >= 15
         await asyncio.sleep(0.5)  # a controller tick after the decision reports the share
         metrics = await asyncio.to_thread(gateway_metrics, info["urls"][1])
         assert metrics[("tokenweir_gateway_rollout_canary_share", (("alias", "chat"), ("variant", "canary")))] == 0.0

@@ -16,6 +16,7 @@ def test_env_typo_names_the_variable_and_the_closest_setting():
 
 def test_env_names_read_elsewhere_are_not_settings_errors():
     env = {"TOKENWEIR_KEY_PEPPER": "p", "TOKENWEIR_ADMIN_KEY": "", "TOKENWEIR_TEST_PG": "x", "OTHER": "1"}
+    env["TOKENWEIR_KV_TRANSFER_KEY"] = "k" * 32  # serve hands one it is given to its engines
     assert load_config(env=env).port == 8000
 
 

@@ -102,6 +102,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         body={"prompt": TEAM},
         route_reason=None,
         context_fallback=None,
+        alias=None,  # no alias's variant (a canary's plan ends with its baseline)
         routes=upstreams.routes,
         pools=upstreams.pools,
         team_id="t",
@@ -116,6 +117,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         body={"prompt": "hello"},
         route_reason=None,
         context_fallback=None,
+        alias=None,  # no alias's variant (a canary's plan ends with its baseline)
         routes=upstreams.routes,
         pools=upstreams.pools,
         team_id="t",

@@ -14,6 +14,7 @@ from tokenweir.policies.canary import (
     breach,
     judged,
     p95,
+    restarted,
 )
 
 T = Thresholds(window_s=60, min_requests=10, max_error_rate_delta=0.05, max_ttft_p95_ratio=1.5, max_tpot_p95_ratio=2)
@@ -74,12 +75,68 @@ def test_advance_steps_after_step_s_promotes_past_the_last_and_rolls_back_on_a_b
 
 
 def test_only_what_the_variants_upstream_did_is_judged_never_a_refusal_or_a_clients_error():
-    assert judged("ok", 200, served_by_variant=True) is True
-    assert judged("ok", 200, served_by_variant=False) is False  # a fallback pool had to serve it
-    for status, http in (("error", 502), ("error", 503), ("error", 500), ("timeout", 504)):
-        assert judged(status, http, served_by_variant=True) is False, (status, http)
+    assert judged("ok", None, 200, served_by_variant=True) is True
+    assert judged("ok", None, 200, served_by_variant=False) is False  # a fallback pool (or the baseline) served it
+    for status, reason, http in (("error", "upstream_unavailable", 503), ("error", "upstream_broken", 502),
+                                 ("error", "upstream_rejected", 500), ("timeout", "ttft_timeout", 504),
+                                 # no member of its pool could be asked (circuits open, none, draining)
+                                 ("rejected", "upstream_unavailable", 503)):  # fmt: skip
+        assert judged(status, reason, http, served_by_variant=True) is False, (status, reason)
     # the upstream refused the client's request (4xx), the gateway refused it (rate, budget, bad input, too long,
-    # no instance to try), or the client left: nothing said of the variant
-    for status, http in (("error", 400), ("error", 404), ("error", 422), ("rejected", 429), ("rejected", 400),
-                         ("rejected", 503), ("cancelled", 499)):  # fmt: skip
-        assert judged(status, http, served_by_variant=True) is None, (status, http)
+    # its queue full or the state away), or the client left: nothing said of the variant
+    for status, reason, http in (("error", "upstream_rejected", 400), ("error", "upstream_rejected", 404),
+                                 ("rejected", "rate_limited", 429), ("rejected", "too_long", 400),
+                                 ("rejected", "queue_full", 503), ("rejected", "state_unavailable", 503),
+                                 ("cancelled", "client_disconnected", 499)):  # fmt: skip
+        assert judged(status, reason, http, served_by_variant=True) is None, (status, reason)
+
+
+def test_latency_is_judged_before_any_step_even_with_min_requests_below_the_latency_floor():
+    t = Thresholds(60, 5, 0.05, 1.5, 1.5)
+    few = Summary(10, 0.0, None, None)  # 10 >= min_requests, but < MIN_LATENCY_SAMPLES: no p95 yet
+    start = RolloutState(since=0.0)
+    assert advance(start, STEPS, 60, 999.0, few, healthy(), t) is None
+    assert advance(start, STEPS, 60, 999.0, healthy(), few, t) is None
+    assert advance(start, STEPS, 60, 999.0, healthy(), healthy(), t) == RolloutState(1, 999.0)
+    # with 20 latencies the slow canary is judged, and rolled back
+    back = advance(start, STEPS, 60, 999.0, Summary(20, 0.0, 1.0, None), healthy(), t)
+    assert back is not None and back.status == ROLLED_BACK and back.reason.startswith("TTFT p95 1000.0 ms")
+    w = Window(60.0)
+    for i in range(19):
+        w.add(float(i), ok=True, ttft=1.0, tpot=None)
+    assert w.summary(19.0, 5).ttft_p95 is None
+    w.add(19.0, ok=True, ttft=1.0, tpot=None)
+    assert w.summary(19.0, 5).ttft_p95 == 1.0
+
+
+def test_a_latency_breach_needs_the_absolute_floor_too():
+    t = Thresholds(60, 10, 0.05, 1.5, 1.5, min_ttft_p95_delta_ms=50.0, min_tpot_p95_delta_ms=2.0)
+    base = Summary(40, 0.0, 0.0033, 0.001)
+    assert breach(Summary(40, 0.0, 0.0060, 0.001), base, t) is None  # 6.0 vs 3.3 ms: noise, not a regression
+    assert breach(Summary(40, 0.0, 0.0033, 0.0025), base, t) is None  # TPOT 2.5x, but 1.5 ms
+    assert "TTFT p95 60.0 ms" in breach(Summary(40, 0.0, 0.060, 0.001), base, t)
+    assert "TPOT p95 4.0 ms" in breach(Summary(40, 0.0, 0.0033, 0.004), base, t)
+    assert breach(Summary(40, 0.0, 0.3, 0.001), Summary(40, 0.0, 0.26, 0.001), t) is None  # +40 ms, under 1.5x
+
+
+def test_a_canary_without_a_healthy_member_is_rolled_back_at_once_once_it_failed():
+    start = RolloutState(since=100.0)
+    failed = Summary(3, 1.0, None, None)  # fewer than min_requests: no breach by the error rate yet
+    assert advance(start, STEPS, 60, 101.0, failed, healthy(), T) is None
+    back = advance(start, STEPS, 60, 101.0, failed, healthy(), T, canary_reachable=False)
+    assert back is not None and back.status == ROLLED_BACK and "no healthy member" in back.reason
+    # nothing failed yet (a pool whose members are still coming up): not judged on that alone
+    assert advance(start, STEPS, 60, 101.0, Summary(0, 0.0, None, None), healthy(), T, canary_reachable=False) is None
+
+
+def test_a_rollout_started_over_is_told_from_a_step_or_a_decision():
+    first = RolloutState(since=100.0)
+    assert not restarted(None, first)  # first seen: nothing of it was judged before
+    assert not restarted(first, first)
+    step = RolloutState(1, 200.0)
+    assert not restarted(first, step)
+    assert restarted(step, RolloutState(since=300.0))  # PUT again mid-rollout
+    back = RolloutState(1, 250.0, ROLLED_BACK, "x")
+    assert not restarted(step, back)
+    assert restarted(back, RolloutState(since=300.0))  # PUT again after a rollback
+    assert restarted(first, RolloutState(since=101.0))  # PUT again before the first step
