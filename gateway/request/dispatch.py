@@ -18,20 +18,23 @@ from starlette.types import Send
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.config import GatewayConfig, PoolConfig
+from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
-from tokenweir.gateway.request import relay
+from tokenweir.gateway.request import deadlines, relay
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.shadow import ShadowMirror
+from tokenweir.gateway.request.sse_reader import EventTooLarge
 from tokenweir.gateway.request.stream_chunks import ChunkFilter, generated_text
+from tokenweir.gateway.request.variant_choice import baseline_hops
 from tokenweir.gateway.upstream.client import HTTPError, UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
 
-MEMBER_FULL = "its member serves max_parallel_requests already"  # try_hop's answer for a hop it did not try
+# try_hop's answer for a hop it did not try: its member serves max_parallel_requests already, or left the table
+UNTRIED = "its member is full or gone"
 
 
 class Dispatcher:
@@ -59,6 +62,7 @@ class Dispatcher:
                 head = head_tokens(pool.cfg.tokenizer, ctx.body, token_ids)
         salt = request_salt(ctx, target)  # the engine keys its cache by it: the index must too
         hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes, head, salt)
+        hops += baseline_hops(ctx, self.upstreams, hops)  # a rollout's canary: its baseline last
         if ctx.kind == "embeddings":  # a fallback pool that serves no embeddings is no hop for them
             hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         elif pool.prefill_members:
@@ -79,12 +83,12 @@ class Dispatcher:
         end.on_settled = self.shadow.sample(ctx)  # a mirror, sent once the request has ended and been billed
         if ctx.prefill_hops:
             await self.prefill(ctx, hashes)
-            if ctx.stream and asyncio.get_running_loop().time() >= self.first_token_deadline(ctx):
+            if ctx.stream and asyncio.get_running_loop().time() >= deadlines.first_token_deadline(self.config, ctx):
                 # the prefill hop spent the whole TTFT budget: no decode hop could send a first token in time
                 if ctx.prefill_pin is not None:
                     self.release_prefill(ctx)
                 ctx.outcome.decide("timeout", "ttft_timeout", 504)
-                limit = self.timeouts(ctx)[0]
+                limit = deadlines.limits(self.config, ctx)[0]
                 raise APIError(504, f"The upstream did not send a first token within {limit:g}s.", "timeout")
         last = "every instance's circuit is open"
         for attempt in range(1 + ctx.pools[ctx.model].cfg.retries):
@@ -100,12 +104,14 @@ class Dispatcher:
                     answer = await self.try_hop(ctx, hop, end, hashes)
                     if isinstance(answer, Response):
                         return answer
-                    if answer is not MEMBER_FULL:
+                    if answer is not UNTRIED:
                         tried, last = True, answer
                 if tried or not hops:
                     break
                 waits += 1  # every member serves its max_parallel_requests: wait for one to finish, then ask again
                 await self.wait_for_member(ctx, waits)
+                if any(h.instance.removed for h in hops):  # the routing table changed meanwhile: its members now
+                    hops = self.retry_plan(ctx)
         if ctx.prefill_pin is not None:
             self.release_prefill(ctx)
         raise APIError(
@@ -117,15 +123,19 @@ class Dispatcher:
 
     async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
         """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it);
-        MEMBER_FULL, without trying it, when its member serves max_parallel_requests already."""
+        UNTRIED, without trying it, when its member serves max_parallel_requests already or has left the routing table
+        (removed since the plan was made: it gets nothing new)."""
+        if hop.instance.removed:
+            return UNTRIED
         cap = hop.instance.cfg.max_parallel_requests
         if cap is not None:
             lease = await self.settler.members.take(hop.instance.cfg.base_url, cap)
             if lease is None:
-                return MEMBER_FULL
+                return UNTRIED
             ctx.member_lease = (hop.instance.cfg.base_url, lease)
         if ctx.prefill_pin is not None and not self.takes_kv(ctx, hop):
             self.release_prefill(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
+        deadlines.start_ttft_clock(ctx)  # the first hop out starts it; a later one spends what is left
         ctx.route.append(hop.label)
         ctx.hop, ctx.instance_ok, ctx.dispatched_at = hop, True, time.perf_counter()
         ctx.served_model, ctx.model_revision = hop.model, hop.instance.revision
@@ -173,12 +183,10 @@ class Dispatcher:
     async def back_off(self, ctx: RequestContext, attempt: int) -> bool:
         """Wait before retry `attempt` (exponential, with jitter: replicas that failed together do not come back
         together); False, without waiting, if the wait would pass the request's deadline (its first token's, for a
-        stream)."""
+        stream: the hops before spent that budget, the retry does not restart it)."""
         pool = ctx.pools[ctx.model].cfg
         delay = pool.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)
-        loop = asyncio.get_running_loop()
-        deadline = self.first_token_deadline(ctx) if ctx.stream else ctx.deadline_base + self.timeouts(ctx)[1]
-        if loop.time() + delay >= deadline:
+        if asyncio.get_running_loop().time() + delay >= deadlines.answer_deadline(self.config, ctx):
             return False
         await asyncio.sleep(delay)
         return True
@@ -204,24 +212,25 @@ class Dispatcher:
     def retry_plan(self, ctx: RequestContext) -> list[Hop]:
         """The route plan again, ranked by load now (the prompt's prefix home failed a moment ago)."""
         hops, _, _ = self.upstreams.route(ctx.context_fallback or ctx.model, None, ctx.model, ctx.routes)
+        hops += baseline_hops(ctx, self.upstreams, hops)
         if ctx.kind == "embeddings":
             hops = [h for h in hops if ctx.pools[h.model].serves_embeddings]
         return hops
 
     async def prefill(self, ctx: RequestContext, hashes: list[int]) -> None:
         """A disaggregated pool: the prompt computed on a prefill member (max_tokens 1, its KV kept there for the
-        decode member, which fetches it), under the request's TTFT clock, which goes on running through the decode
-        hop. Its answer's kv_transfer_params go with the decode hop. A prefill member that fails, refuses or is
-        late leaves the prompt to the decode member (as a colocated hop). The hop's own token is not the client's:
-        the engines count it, the bill does not (the event names the prefill member)."""
+        decode member, which fetches it), under the request's TTFT clock, which starts here and goes on running
+        through the decode hop. Its answer's kv_transfer_params go with the decode hop. A prefill member that fails,
+        refuses or is late leaves the prompt to the decode member (as a colocated hop). The hop's own token is not the
+        client's: the engines count it, the bill does not (the event names the prefill member)."""
         loop = asyncio.get_running_loop()
-        ctx.ttft_clock = loop.time()
-        deadline = self.first_token_deadline(ctx)
+        deadlines.start_ttft_clock(ctx)
+        deadline = deadlines.first_token_deadline(self.config, ctx)
         body = {**self.upstream_body(ctx, ctx.prefill_hops[0]), "max_tokens": 1, "n": 1, "stream": False}
         body["kv_transfer_params"] = {"do_remote_decode": True}
         for key in ("max_completion_tokens", "stream_options", "best_of"):
             body.pop(key, None)
-        for hop in ctx.prefill_hops:
+        for hop in (h for h in ctx.prefill_hops if not h.instance.removed):  # checked as each goes out
             started, failed = time.perf_counter(), False
             upstream_id = "tw-" + random_hex()
             hop.instance.take(time.monotonic())
@@ -265,12 +274,6 @@ class Dispatcher:
             break  # a member that keeps no KV (not a kv_producer): the decode member computes the prompt
         self.metrics.prefill_fallbacks.labels(ctx.model).inc()
 
-    def first_token_deadline(self, ctx: RequestContext) -> float:
-        """Loop time by which a stream's first token must come (the TTFT clock of a disaggregated pool started at
-        its prefill hop, else now)."""
-        ttft, total = self.timeouts(ctx)
-        return min((ctx.ttft_clock or asyncio.get_running_loop().time()) + ttft, ctx.deadline_base + total)
-
     def takes_kv(self, ctx: RequestContext, hop: Hop) -> bool:
         """The hop fetches the prompt's KV the prefill hop left (a decode member of the requested pool)."""
         return ctx.kv_transfer_params is not None and hop.instance.cfg.role == "decode" and not hop.fallback
@@ -290,27 +293,6 @@ class Dispatcher:
         if hop.instance.cfg.engine:
             self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
-    def timeouts(self, ctx: RequestContext) -> tuple[float, float]:
-        return self.pool_timeouts(ctx.pools[ctx.model].cfg, ctx.limits.ttft_timeout_s, ctx.limits.total_timeout_s)
-
-    def pool_timeouts(
-        self, pool: PoolConfig, team_ttft: float | None = None, team_total: float | None = None
-    ) -> tuple[float, float]:
-        """TTFT and total limits of a request to `pool`: the tighter of its team's and the pool's, else the
-        gateway's (a shadow request has no team)."""
-        t = self.config.timeouts
-        ttft = _tightest(team_ttft, pool.ttft_timeout_s) or t.ttft_s
-        total = _tightest(team_total, pool.total_timeout_s) or t.total_s
-        return ttft, total
-
-    def instance_too_slow(self, ctx: RequestContext, kind: str) -> bool:
-        """A timeout counts against the instance's circuit only when the pool's own limit fired: a hung upstream must
-        be routed around, but a team's tighter limit says nothing about the instance other teams share."""
-        pool, defaults = ctx.pools[ctx.model].cfg, self.config.timeouts
-        team_limit = getattr(ctx.limits, f"{kind}_timeout_s")
-        pool_limit = getattr(pool, f"{kind}_timeout_s") or getattr(defaults, f"{kind}_s")
-        return not team_limit or team_limit >= pool_limit
-
     def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
         body = with_salt(ctx.body, request_salt(ctx, hop.model))  # whose prefix cache it may use: its pool's scope
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
@@ -320,7 +302,7 @@ class Dispatcher:
         return body
 
     async def call(self, ctx: RequestContext, hop: Hop) -> Response:
-        _, total = self.timeouts(ctx)
+        _, total = deadlines.limits(self.config, ctx)
         ctx.incomplete = hop.instance.cfg.engine
         body = self.upstream_body(ctx, hop)
         try:
@@ -335,7 +317,7 @@ class Dispatcher:
             )
         except TimeoutError:
             ctx.outcome.decide("timeout", "total_timeout", 504)
-            ctx.instance_ok = not self.instance_too_slow(ctx, "total")
+            ctx.instance_ok = not deadlines.instance_too_slow(self.config, ctx, "total")
             raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
         finally:
             ctx.upstream_end = time.perf_counter()
@@ -360,8 +342,8 @@ class Dispatcher:
 
     async def open_stream(self, ctx: RequestContext, hop: Hop, end: RequestEnd) -> Response:
         loop = asyncio.get_running_loop()
-        ttft, total = self.timeouts(ctx)
-        first_deadline = self.first_token_deadline(ctx)
+        ttft, total = deadlines.limits(self.config, ctx)
+        first_deadline = deadlines.first_token_deadline(self.config, ctx)  # what earlier hops left of the budget
         ctx.incomplete = hop.instance.cfg.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
         chunks = ChunkFilter(
@@ -398,10 +380,12 @@ class Dispatcher:
             first_token = loop.time() < ctx.deadline_base + total
             ctx.outcome.decide("timeout", "ttft_timeout" if first_token else "total_timeout", 504)
             which, limit = ("first token", ttft) if first_token else ("response", total)
-            ctx.instance_ok = not self.instance_too_slow(ctx, "ttft" if first_token else "total")
+            ctx.instance_ok = not deadlines.instance_too_slow(self.config, ctx, "ttft" if first_token else "total")
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
-        except HTTPError as e:
-            raise relay.failed(hop, "connection failed", e) from e
+        except HTTPError as e:  # (an oversized event's bound is not the tenant's to know)
+            raise relay.failed(
+                hop, "an oversized event" if isinstance(e, EventTooLarge) else "connection failed", e
+            ) from e
         assert ctx.dispatched_at is not None  # dispatch set it for this hop
         ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - ctx.dispatched_at + (ctx.prefill_s or 0.0)
         deadline = ctx.deadline_base + total
@@ -441,6 +425,8 @@ class Dispatcher:
                 tail = relay.sse_error("The response timed out upstream.", "timeout", "timeout_error")
             except HTTPError as e:  # the upstream connection broke mid-body
                 ctx.hop.error = f"{ctx.hop.where}: {e}"
+            if chunks.error is not None:  # an error event after the first token: the answer broke off there
+                ctx.outcome.decide("error", "upstream_broken", 502)
             if chunks.cut_off and not ctx.outcome.decided:
                 pending.append(await self.cut_at_reservation(ctx, stream))
             if chunks.done:
@@ -491,8 +477,3 @@ class Dispatcher:
 def _rate_headers(ctx: RequestContext) -> dict[str, str]:
     """x-ratelimit-* as of the reservation, on successful responses too (as OpenAI sends them)."""
     return dict(getattr(ctx.reservation, "headers", None) or {})
-
-
-def _tightest(*values: float | None) -> float | None:
-    present = [v for v in values if v]
-    return min(present) if present else None

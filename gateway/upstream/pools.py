@@ -55,6 +55,7 @@ class Instance:
     down_since: float | None = None
     max_model_len: int | None = None  # our engine's context length, from its /v1/models (None: not known yet)
     revision: str | None = None  # the model version it serves: configured, else its engine's digest (/load)
+    removed: bool = False  # it left a pool that stays (removed, or replaced): nothing new, whatever table routes
 
     def __post_init__(self) -> None:
         self.revision = self.cfg.revision
@@ -107,8 +108,8 @@ class Instance:
 
     def available(self, now: float) -> bool:
         """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe). Never
-        while draining (those it serves finish; it takes no new ones)."""
-        if self.down_since is not None or self.cfg.draining:
+        while draining, nor once removed (those it serves finish; it takes no new ones)."""
+        if self.down_since is not None or self.cfg.draining or self.removed:
             return False
         if self.opened_at is None:
             return True
@@ -303,7 +304,8 @@ class Hop:
 @dataclass(frozen=True, slots=True)
 class Routes:
     """One routing table: the pools and aliases by public name. A change makes a new table; a request keeps the one
-    it was admitted under to its end (a pool removed meanwhile still serves it)."""
+    it was admitted under to its end (a pool removed meanwhile still serves it), but its hops are the members its
+    pools have now (`Upstreams.route`): a member removed meanwhile gets nothing new from it."""
 
     pools: dict[str, Pool]
     aliases: dict[str, AliasConfig]  # as requests see them: a rollout's weights applied
@@ -355,7 +357,8 @@ class Upstreams:
     ) -> None:
         """Swap in a new routing table (validated: `routes_error` is None). What did not change keeps its state: a
         pool whose settings are equal stays as it is; a member whose settings are equal but for `draining` keeps its
-        load, circuit, in-flight count and cached prefixes. Requests in flight keep the table they started with."""
+        load, circuit, in-flight count and cached prefixes. Requests in flight keep the table they started with; a
+        member that left a pool that stays is `removed`: no request routes to it again."""
         assert routes_error(pools, aliases) is None
         old = self.routes.pools
         new: dict[str, Pool] = {}
@@ -381,9 +384,10 @@ class Upstreams:
                     pool.adopt_members()
             new[pc.model] = pool
         kept = {id(i) for p in new.values() for i in p.instances}
-        for pool in old.values():
+        for model, pool in old.items():
             for inst in pool.instances:
                 if id(inst) not in kept:
+                    inst.removed = model in new  # (a pool removed whole serves the requests admitted under it)
                     inst.forget_metrics()
                     if inst.index is not None:  # what it cached is not what a later member of that name will
                         inst.index.forget_instance(inst.name)
@@ -423,20 +427,24 @@ class Upstreams:
         salt: str | None = None,
     ) -> tuple[list[Hop], routing.RouteReason, list[int]]:
         """The route plan of pool `model` (for a request of `requested`, default `model`: another one makes every
-        hop a fallback hop) in `routes` (default: the current table), why its first hop, and the prompt's block
-        hashes (to `record` once a hop is taken)."""
+        hop a fallback hop) in `routes` (default: the current table: its pools and fallbacks; their members as they
+        are now, `current`), why its first hop, and the prompt's block hashes (to `record` once a hop is taken)."""
         now = time.monotonic()
         requested = requested or model
         pools = (routes or self.routes).pools
-        pool = pools[model]
+        pool = self.current(pools[model])
         ranked, why, hashes = pool.route(now, token_ids, head=head, salt=salt)
         hops = [Hop(model, i, requested) for i in ranked]
         # A disaggregated pool whose decode members all fail: its prefill members answer whole requests (the prompt
         # likely in their cache from the prefill hop) before another pool is asked.
         hops += [Hop(model, i, requested) for i in pool.ranked(now, pool.prefill_members)]
-        for fb in pool.cfg.fallbacks:
-            hops += [Hop(fb, i, requested) for i in pools[fb].ranked(now)]
+        for fb in pools[model].cfg.fallbacks:  # as the request's table has them (admission reserved for those)
+            hops += [Hop(fb, i, requested) for i in self.current(pools[fb]).ranked(now)]
         return hops, why, hashes
+
+    def current(self, pool: Pool) -> Pool:
+        """`pool` as the current table has it (its members now), else as it was (removed whole: it serves its own)."""
+        return self.routes.pools.get(pool.model, pool)
 
     def prefill_route(
         self,
@@ -448,7 +456,7 @@ class Upstreams:
     ) -> tuple[list[Hop], list[int]]:
         """A disaggregated pool's prefill members, in the order to try them (where the prompt's prefix is cached
         first: that cache is the one that saves work), and the prompt's block hashes."""
-        pool = (routes or self.routes).pools[model]
+        pool = self.current((routes or self.routes).pools[model])
         ranked, _, hashes = pool.route(time.monotonic(), token_ids, prefill=True, head=head, salt=salt)
         return [Hop(model, i, model) for i in ranked], hashes
 

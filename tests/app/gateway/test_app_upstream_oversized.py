@@ -173,6 +173,8 @@ async def test_a_stream_that_starts_without_an_sse_delimiter_fails_its_hop_befor
     async with httpx.AsyncClient(base_url=gateway["url"], timeout=60) as http:
         r = await http.post("/v1/completions", json=body("stream", True), headers={"authorization": f"Bearer {secret}"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+    # what went wrong, without the bound or the address: not the "connection failed" of a refused connection
+    assert "m@raw: an oversized event" in r.json()["error"]["message"], r.text
     assert gateway["up"].written < NEAR_THE_BOUND
     (event,) = await asyncio.to_thread(events_of, gateway, team_id, 1)
     assert (event["status"], event["reason"]) == ("error", "upstream_unavailable"), event
