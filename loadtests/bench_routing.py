@@ -435,6 +435,8 @@ def main() -> None:
         + (f"_gw{args.gateways}" if args.gateways > 1 else "")
         + ("_shared" if args.cache_scope == "shared" else "")
     )
+    if len(args.phases.split(",")) < len(PHASES):  # some rows only: written beside the whole table, not over it
+        stem += "_" + "_".join(name.replace(" ", "-") for name in args.phases.split(","))
     args.out = args.out or ROOT / "loadtests" / "results" / stem
     n = args.conversations or (16 if args.quick else 40)
     work = make_workload(args.seed, n, preamble)
