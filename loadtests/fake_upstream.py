@@ -245,6 +245,11 @@ class FakeUpstream:
                 await _sse(send, orjson.dumps(chunk))
         if record.status == "running":
             record.status = "finished"
+            if not n_tokens:  # nothing made: each choice still ends, as OpenAI's and vLLM's streams do
+                for index in range(n):
+                    end = {"index": index, "finish_reason": "stop"}
+                    end |= {"delta": {}} if chat else {"text": ""}
+                    await _sse(send, orjson.dumps({**base, "choices": [end]}))
         if include_usage:
             await _sse(send, orjson.dumps({**base, "choices": [], "usage": _usage(record)}))
         await _sse(send, b"[DONE]")
