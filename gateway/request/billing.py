@@ -42,6 +42,14 @@ class Bill:
     user: str | None
     cost_femtos: int
 
+    def row(self) -> dict:
+        """The usage row's fields, as UsageRecorder.add and .bill_now take them by name."""
+        return {
+            "team_id": self.team_id, "model": self.model, "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion, "cached_tokens": self.cached, "day": self.day,
+            "key_id": self.key_id, "user": self.user, "cost_femtos": self.cost_femtos,
+        }  # fmt: skip
+
 
 async def record(
     ctx: RequestRecord,
@@ -72,19 +80,7 @@ async def record(
         _count(usage, bill, seq)  # no await since the event: the usual way, the event covers it until the flush
         return
     try:
-        await usage.bill_now(
-            bill.team_id,
-            bill.model,
-            bill.prompt,
-            bill.completion,
-            bill.cached,
-            day=bill.day,
-            upstream_request_id=ctx.upstream_id,
-            seq=seq,
-            key_id=bill.key_id,
-            user=bill.user,
-            cost_femtos=bill.cost_femtos,
-        )
+        await usage.bill_now(**bill.row(), upstream_request_id=ctx.upstream_id, seq=seq)
         metrics.direct_bills.labels("stored").inc()
         return
     except Exception:  # noqa: BLE001 - kept in memory below: the store takes it when it answers again
@@ -95,15 +91,4 @@ async def record(
 
 
 def _count(usage: UsageRecorder, bill: Bill, seq: int | None) -> None:
-    usage.add(
-        bill.team_id,
-        bill.model,
-        bill.prompt,
-        bill.completion,
-        bill.cached,
-        day=bill.day,
-        seq=seq,
-        key_id=bill.key_id,
-        user=bill.user,
-        cost_femtos=bill.cost_femtos,
-    )
+    usage.add(**bill.row(), seq=seq)
