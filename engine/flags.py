@@ -245,11 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "yes"),
-        help="on CUDA, kernels whose output for a request does not depend on what shares its batch (fixed-tile "
-        "Triton GEMMs, row-wise norms, decode rows through the prefill attention kernel): greedy output with "
-        "speculative decoding then equals plain decoding's bit for bit, at some speed "
-        f"(also ${BATCH_INVARIANT_ENV}=1; as vLLM's VLLM_BATCH_INVARIANT). The CPU kernels are batch invariant "
-        "as they are",
+        help="kernels whose output for a request does not depend on what shares its batch or chunk (on CUDA "
+        "fixed-tile Triton GEMMs and row-wise norms, on CPU the projections' own kernels or fixed-shape GEMMs for "
+        "every batch and float32 prefill; both: decode rows through the prefill attention kernel): greedy output "
+        "is then the same alone, batched, after a prefix-cache hit, across a prefill/decode split and with "
+        "speculative decoding, at some speed "
+        f"(also ${BATCH_INVARIANT_ENV}=1; as vLLM's VLLM_BATCH_INVARIANT)",
     )
     p.add_argument(
         "--num-threads",

@@ -2,6 +2,7 @@
 
     .venv/bin/python loadtests/bench_engine.py --plot loadtests/results/bench_engine.png
     .venv/bin/python loadtests/bench_engine.py --quick          # prompts 32-256, outputs 16-64
+    .venv/bin/python loadtests/bench_engine.py --batch-invariant --skip-hf --skip-llama   # that flag's cost
 
 Rows: our engine server in float32 and in `auto` (the dtype and weight format it picks for this CPU, printed),
 llama-server (built once from the llama.cpp vendored in the llama-cpp-python sdist, see loadtests/llama_server.py;
@@ -113,7 +114,13 @@ def served_model(url: str) -> str:
 
 
 def measure_ours(
-    model_path: str, dtype: str, quantization: str, threads: int, work, policy: str = "fcfs"
+    model_path: str,
+    dtype: str,
+    quantization: str,
+    threads: int,
+    work,
+    policy: str = "fcfs",
+    batch_invariant: bool = False,
 ) -> tuple[dict, str]:
     port = llama_server.free_port()
     cmd = [
@@ -121,6 +128,7 @@ def measure_ours(
         "--quantization", quantization, *(["--num-threads", str(threads)] if threads else []),
         "--max-num-seqs", str(CONCURRENCY), "--scheduling-policy", policy,
         "--kv-cache-memory", "2GiB", "--log-level", "info",
+        *(["--batch-invariant"] if batch_invariant else []),
     ]  # fmt: skip
     log_path = f"/tmp/tokenweir-bench-engine-{port}.log"
     with open(log_path, "w") as log:
@@ -241,6 +249,10 @@ def main() -> None:
         "--scheduling-policy", nargs="+", default=["fcfs"], choices=["fcfs", "shortest-prompt"],
         help="our auto row once per policy (the first is the one compared with llama-server's row)",
     )  # fmt: skip
+    ap.add_argument(
+        "--batch-invariant", action="store_true",
+        help="also our auto row with --batch-invariant (its cost: the ratio to the plain auto row is printed)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
@@ -259,6 +271,10 @@ def main() -> None:
         autos[policy], reason = measure_ours(path, "auto", "auto", args.engine_threads, work, policy)
         label = "auto" if len(args.scheduling_policy) == 1 else f"auto, {policy}"
         rows.append((f"tokenweir engine ({label})", autos[policy]))
+    invariant = None
+    if args.batch_invariant:
+        invariant, _ = measure_ours(path, "auto", "auto", args.engine_threads, work, batch_invariant=True)
+        rows.append(("tokenweir engine (auto, --batch-invariant)", invariant))
     llama = None if args.skip_llama else measure_llama(path, args.threads, work)
     if llama:
         rows.append(("llama-server (Q4_1)", llama))
@@ -278,6 +294,10 @@ def main() -> None:
         print("targets: batch-1 >= 1, throughput >= 2, TTFT p50 <= 0.33")
     else:
         print("\nllama-server: no row (see above for why)")
+    if invariant:
+        plain = autos[args.scheduling_policy[0]]
+        b1, tok, ttft = (invariant[k] / plain[k] for k in ("b1", "tok_s", "ttft_p50"))
+        print(f"--batch-invariant / auto: batch-1 {b1:.2f}x, throughput {tok:.2f}x, TTFT p50 {ttft:.2f}x")
 
     bw, params = read_bandwidth(), weight_params(path)
     gguf_bytes = os.path.getsize(path)

@@ -12,6 +12,10 @@ import torch
 
 from tokenweir.kernels.attention.backend import get_ops, resolve_backend
 
+# Backends whose prefill kernel gives a row the same output in any chunk and batch (the torch reference does not:
+# its GEMMs' blocking follows the chunk's shape).
+BATCH_INVARIANT_BACKENDS = ("triton", "cpu")
+
 
 @dataclass
 class AttentionMetadata:
@@ -52,11 +56,12 @@ class PagedAttention:
         batch_invariant: bool = False,
     ) -> None:
         """prefill_dtype: bfloat16 lets the "cpu" backend's prefill kernel take bfloat16 dot products (the GEMMs of
-        such a chunk round to bfloat16 already). batch_invariant (Triton): decode rows run through the prefill kernel
-        as chunks of one token, so a position's attention is computed the same way whether it was a prompt token, a
-        decode step, a draft under verification or a token recomputed after preemption, in a batch of any size (the
-        decode kernel's split-K depends on the batch and its tiles differ from the prefill kernel's; the CPU
-        backend's rows never depend on the batch)."""
+        such a chunk round to bfloat16 already). batch_invariant: decode rows run through the prefill kernel as
+        chunks of one token, so a position's attention is computed the same way whether it was a prompt token, a
+        decode step, a draft under verification or a token recomputed after preemption, in a batch of any size (on
+        Triton the decode kernel's split-K depends on the batch and its tiles differ from the prefill kernel's; on
+        the "cpu" backend the decode kernel sums in another order than the prefill kernel, whose row never depends
+        on the rest of its chunk, and the prefill chunks stay float32)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -65,8 +70,8 @@ class PagedAttention:
         self.ops = get_ops(self.backend)
         # Backend-only arguments (the torch reference takes neither).
         self.pass_max_seqlen_q = self.backend == "triton"
-        self.prefill_bf16 = self.backend == "cpu" and prefill_dtype == torch.bfloat16
-        self.decode_as_prefill = batch_invariant and self.backend == "triton"
+        self.decode_as_prefill = batch_invariant and self.backend in BATCH_INVARIANT_BACKENDS
+        self.prefill_bf16 = self.backend == "cpu" and prefill_dtype == torch.bfloat16 and not self.decode_as_prefill
         self._one_each = torch.empty(0, dtype=torch.int32)  # 0..n: decode rows as one-token chunks, grown as needed
 
     def __call__(
@@ -106,6 +111,7 @@ class PagedAttention:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale)
         if self._one_each.numel() <= q.shape[0] or self._one_each.device != q.device:
             self._one_each = torch.arange(2 * q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        extra = {"max_seqlen_q": 1} if self.pass_max_seqlen_q else {}
         return self.ops.paged_prefill_attention(
-            q, k_cache, v_cache, tables, self._one_each[: q.shape[0] + 1], context, self.scale, max_seqlen_q=1
+            q, k_cache, v_cache, tables, self._one_each[: q.shape[0] + 1], context, self.scale, **extra
         )

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from functools import cache
 
 import torch
@@ -39,23 +40,43 @@ GGUF_MODES = ("gguf", "gguf-a16")  # the modes that take a .gguf file's own bloc
 
 class DenseLinear:
     __slots__ = ("weight", "batch_invariant")
+    # Rows per GEMM call under batch_invariant on CPU: every call has this one shape, so MKL takes one kernel and
+    # one blocking for it, and a row's sums run in one order whatever else shares its step.
+    CPU_TILE_M = 16
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
-        """batch_invariant: the fixed-tile Triton matmul (CUDA, or Triton's interpreter in tests), so a row's output
-        does not move with the batch."""
+        """batch_invariant: a row's output does not move with the batch: on CUDA the fixed-tile Triton matmul (or
+        Triton's interpreter in tests), on CPU GEMMs of CPU_TILE_M rows each (the last tile padded with zeros)."""
         self.weight = weight.t().contiguous()  # [in, out]
         self.batch_invariant = batch_invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            from tokenweir.kernels import batch_invariant  # triton: imported only where it runs
+        if not self.batch_invariant:
+            return x @ self.weight
+        if x.device.type == "cpu":
+            return _fixed_tile_matmul(x, self.weight, self.CPU_TILE_M)
+        from tokenweir.kernels import batch_invariant  # triton: imported only where it runs
 
-            return batch_invariant.matmul(x, self.weight)
-        return x @ self.weight
+        return batch_invariant.matmul(x, self.weight)
 
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+def _fixed_tile_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """x @ weight in GEMMs of `tile` rows, each from a fresh (aligned) copy of its rows: one shape, one alignment,
+    so one numeric path for every row."""
+    rows = x.shape[0]
+    out = torch.empty(rows, weight.shape[1], dtype=torch.result_type(x, weight), device=x.device)
+    scratch = x.new_zeros(tile, x.shape[1])
+    for start in range(0, rows, tile):
+        end = min(start + tile, rows)
+        if end - start < tile:
+            scratch.zero_()
+        scratch[: end - start] = x[start:end]
+        out[start:end] = (scratch @ weight)[: end - start]
+    return out
 
 
 GROUP = 32  # weights per scale, as llama.cpp's Q8_0: a row's outliers only coarsen their own group
@@ -86,30 +107,39 @@ class Int8Linear:
     MKL does the GEMM on float32 activations. Activations of another dtype (bfloat16) are widened and the result
     narrowed back."""
 
-    __slots__ = ("weight", "scales", "int8_activations", "planes")
+    __slots__ = ("weight", "scales", "int8_activations", "planes", "small_m")
     # the kernels beat dequantize + MKL up to 64 rows on an AVX2 EPYC (tests/contract/kernels, bench notes)
     SMALL_M = 64
 
-    def __init__(self, weight: torch.Tensor, int8_activations: bool = False) -> None:
-        self._set(*_grouped_int8(weight), int8_activations)
+    def __init__(self, weight: torch.Tensor, int8_activations: bool = False, batch_invariant: bool = False) -> None:
+        self._set(*_grouped_int8(weight), int8_activations, batch_invariant=batch_invariant)
 
-    def _set(self, weight: torch.Tensor, scales: torch.Tensor, int8_activations: bool, planes: int = 1) -> None:
+    def _set(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        int8_activations: bool,
+        planes: int = 1,
+        batch_invariant: bool = False,
+    ) -> None:
         self.weight, self.scales, self.planes = weight, scales, planes
+        # batch_invariant: every batch through the kernel, whose rows never depend on each other
+        self.small_m = sys.maxsize if batch_invariant else self.SMALL_M
         # The integer kernel takes groups of 32 only; a row that 32 does not divide has one scale for the whole row.
         self.int8_activations = int8_activations and self.scales.shape[1] * GROUP == self.weight.shape[1]
 
     @classmethod
-    def from_q8_0(cls, blocks: GGUFBlocks, planes: int = 1) -> Int8Linear:
+    def from_q8_0(cls, blocks: GGUFBlocks, planes: int = 1, batch_invariant: bool = False) -> Int8Linear:
         """A GGUF Q8_0 tensor as it is: its int8 values and (float16) scales, integer decode kernel with the
         activations in `planes` int8 planes."""
         assert blocks.kind == "Q8_0"
         linear = cls.__new__(cls)
-        linear._set(*q8_0_fields(blocks.data), int8_activations=True, planes=planes)
+        linear._set(*q8_0_fields(blocks.data), int8_activations=True, planes=planes, batch_invariant=batch_invariant)
         return linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype, x = x.dtype, x.float()
-        if x.shape[0] <= self.SMALL_M:
+        if x.shape[0] <= self.small_m:
             if self.int8_activations:
                 return q8_linear(x, self.weight, self.scales, self.planes).to(dtype)
             return int8_linear(x, self.weight, self.scales).to(dtype)
@@ -142,10 +172,19 @@ class Q4Linear:
         (2, torch.float32): 128, (2, torch.bfloat16): 64, (2, torch.int8): 128,
     }  # fmt: skip
 
-    def __init__(self, blocks: GGUFBlocks, planes: int = 1, prefill_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        blocks: GGUFBlocks,
+        planes: int = 1,
+        prefill_dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
+    ) -> None:
+        """batch_invariant: every batch, prefill chunks too, through the decode kernel (its rows never depend on each
+        other), at the prefill speed that kernel has."""
         assert blocks.kind == "Q4_1" and planes in (1, 2)
         self.packed, self.in_features, self.planes = pack_q4_1(blocks.data), blocks.in_features, planes
-        self.prefill_dtype, self.small_m = prefill_dtype, self.SMALL_M[planes, prefill_dtype]
+        self.prefill_dtype = prefill_dtype
+        self.small_m = sys.maxsize if batch_invariant else self.SMALL_M[planes, prefill_dtype]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -174,28 +213,33 @@ def make_linear(
 ) -> Linear:
     """weight: [out, in] in torch's layout, already in `dtype` on its device. blocks (GGUF_MODES only): the GGUF
     blocks of the tensors `weight` was concatenated from, in order; prefill_dtype: the dense GEMM's dtype for their
-    prefill chunks; batch_invariant: dense CUDA weights multiply in the batch-invariant kernel (the CPU kernels are
-    batch invariant as they are)."""
+    prefill chunks; batch_invariant: a row's output never depends on the rest of its batch (dense CUDA weights in the
+    batch-invariant Triton kernel, dense CPU weights in fixed-shape GEMMs, the CPU kernels for every batch size)."""
     assert quantization in QUANTIZATIONS[:-1], f"resolve quantization {quantization!r} before building the model"
     if quantization == "none":
         return DenseLinear(weight, batch_invariant)
     assert weight.device.type == "cpu", "int8 and gguf projections are CPU kernels"
     assert dtype in (torch.float32, torch.bfloat16), f"{quantization} with {dtype} activations has no CPU kernel"
     if quantization in GGUF_MODES:
-        return _gguf_linear(weight, blocks or [None], 2 if quantization == "gguf-a16" else 1, prefill_dtype)
-    return Int8Linear(weight, int8_activations=quantization == "w8a8")
+        planes = 2 if quantization == "gguf-a16" else 1
+        return _gguf_linear(weight, blocks or [None], planes, prefill_dtype, batch_invariant)
+    return Int8Linear(weight, int8_activations=quantization == "w8a8", batch_invariant=batch_invariant)
 
 
 def _gguf_linear(
-    weight: torch.Tensor, blocks: list[GGUFBlocks | None], planes: int, prefill_dtype: torch.dtype
+    weight: torch.Tensor,
+    blocks: list[GGUFBlocks | None],
+    planes: int,
+    prefill_dtype: torch.dtype,
+    batch_invariant: bool,
 ) -> Linear:
     fused = concat_rows(blocks)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q4_1":
-        return Q4Linear(fused, planes, prefill_dtype)
+        return Q4Linear(fused, planes, prefill_dtype, batch_invariant)
     if fused is not None and fused.in_features == weight.shape[1] and fused.kind == "Q8_0":
-        return Int8Linear.from_q8_0(fused, planes)
+        return Int8Linear.from_q8_0(fused, planes, batch_invariant)
     _warn_dense("+".join(sorted({b.kind if b is not None else "other" for b in blocks})))
-    return DenseLinear(weight)
+    return DenseLinear(weight, batch_invariant)
 
 
 @cache

@@ -14,6 +14,7 @@ from tokenweir.engine.config import ModelConfig
 from tokenweir.engine.model.attention import AttentionMetadata, PagedAttention
 from tokenweir.engine.model.gguf_blocks import GGUFBlocks
 from tokenweir.engine.model.linear import GGUF_MODES, make_linear
+from tokenweir.kernels.attention.backend import resolve_backend
 from tokenweir.kernels.cpu import ops as cpu_ops
 
 
@@ -31,6 +32,15 @@ def norm_for(batch_invariant: bool):
     from tokenweir.kernels import batch_invariant as kernels  # triton: imported only where it runs
 
     return kernels.rms_norm
+
+
+def has_batch_invariant_kernels(backend: str, dtype: torch.dtype, config: ModelConfig) -> bool:
+    """Triton's batch-invariant kernels, or the "cpu" backend's C++ kernels where they run (float32, head_dim 64):
+    their rows never depend on the rest of the batch (the norms and element-wise kernels work row by row, the
+    projections' kernels too, the prefill attention kernel's tiles sit at fixed key positions)."""
+    if backend == "triton":
+        return True
+    return backend == "cpu" and dtype == torch.float32 and config.head_dim == 64 and cpu_ops.load() is not None
 
 
 def rope_cos_sin(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +94,7 @@ class DecoderLayer:
         # The "cpu" attention backend brings C++ element-wise kernels too: one call each for the norms, RoPE and
         # SiLU-gating instead of ~30 tiny torch ops per layer, whose dispatch dominates a batch-1 step.
         self.fused = cpu_ops.load() if attention.backend == "cpu" and dtype == torch.float32 else None
-        self.norm = norm_for(batch_invariant)
+        self.norm = norm_for(batch_invariant and attention.backend == "triton")
 
     def projections(self) -> list:
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
@@ -144,22 +154,23 @@ class LlamaForCausalLM:
     ) -> None:
         """prefill_dtype: how prefill chunks of the GGUF's own blocks multiply (gguf modes): dense GEMMs in float32 or
         bfloat16, or torch.int8 for the int8 prefill kernel;
-        batch_invariant: with the Triton attention backend (CUDA), kernels that give a row the same output in any
-        batch (projections, norms, decode rows through the prefill attention kernel), so speculative decoding's
-        verification rows equal plain decoding's rows."""
+        batch_invariant: kernels that give a row the same output in any batch and chunk (projections, norms, decode
+        rows through the prefill attention kernel), so speculative decoding's verification rows equal plain
+        decoding's rows and a prompt's answer does not depend on where or with what it was computed: with the Triton
+        backend (CUDA, or Triton's interpreter in tests) and with the "cpu" backend where its C++ kernels run
+        (float32, head_dim 64); elsewhere (the torch reference) it is logged as unavailable."""
         assert quantization not in GGUF_MODES or blocks is not None, "gguf: pass the GGUF's blocks (load_gguf_blocks)"
         self.config = config
         self.quantization = quantization
         blocks = blocks or {}
         state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        backend = resolve_backend(attention_backend)
+        self.batch_invariant = batch_invariant = batch_invariant and has_batch_invariant_kernels(backend, dtype, config)
         attention = PagedAttention(
-            config.num_heads, config.num_kv_heads, config.head_dim, attention_backend, prefill_dtype, batch_invariant
+            config.num_heads, config.num_kv_heads, config.head_dim, backend, prefill_dtype, batch_invariant
         )
         self.attention_backend = attention.backend
-        # The batch-invariant kernels are Triton's: they run with the Triton attention backend (on CUDA, or under
-        # Triton's interpreter in tests); the CPU kernels give a row the same output in any batch already.
-        self.batch_invariant = batch_invariant = batch_invariant and attention.backend == "triton"
-        self.rms_norm = norm_for(batch_invariant)
+        self.rms_norm = norm_for(batch_invariant and backend == "triton")
         self.embed_tokens = state["embed_tokens"]
         lm_head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
         self.lm_head = make_linear(

@@ -96,10 +96,12 @@ def resolve(
     device: torch.device,
     shape: tuple[int, int],
     gguf_kinds: frozenset[str] = frozenset(),
+    batch_invariant: bool = False,
 ) -> Precision:
     """shape: (in, out) of the model's widest per-layer projection, the one that dominates a step; gguf_kinds: the
-    storage types of a .gguf model's layer matrices (empty otherwise). Cached: a process that builds several engines
-    probes once."""
+    storage types of a .gguf model's layer matrices (empty otherwise); batch_invariant: on CPU `auto` stays float32,
+    the dtype of the C++ kernels whose rows never depend on their batch. Cached: a process that builds several
+    engines probes once."""
     if device.type != "cpu":
         resolved = torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
         assert quantization in ("none", "auto"), "int8 and gguf weights are CPU kernels: --quantization none on CUDA"
@@ -114,6 +116,8 @@ def resolve(
             notes.append("float32 (the GGUF's own blocks)")
         elif not has_native_bf16():
             notes.append("float32 (no native bf16 in the CPU flags)")
+        elif batch_invariant:
+            notes.append("float32 (batch invariant: the CPU kernels that give it are float32)")
         else:
             weights = _probe_weights(shape)
             f32, bf16 = _probe(torch.float32, "none", 16, weights), _probe(torch.bfloat16, "none", 16, weights)

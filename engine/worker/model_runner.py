@@ -61,7 +61,9 @@ class ModelRunner:
             )
         mc, state = load_model_weights(path, progress=progress)
         widest = (mc.hidden_size, 2 * mc.intermediate_size)  # the fused gate/up projection
-        self.precision = resolve_precision(config.dtype, config.quantization, device, widest, mc.layer_formats)
+        self.precision = resolve_precision(
+            config.dtype, config.quantization, device, widest, mc.layer_formats, config.batch_invariant
+        )
         dtype = self.precision.dtype
         log.info("precision: %s", self.precision.reason)
         self.model = LlamaForCausalLM(
@@ -77,11 +79,17 @@ class ModelRunner:
             config.batch_invariant,
         )
         del state
-        if config.batch_invariant:  # what the model made of it: the kernels exist for the Triton backend only
-            how = (
-                "Triton kernels" if self.model.batch_invariant else f"the {self.model.attention_backend} backend's own"
-            )
-            log.info("batch invariant: %s", how)
+        if config.batch_invariant:  # what the model made of it: Triton's kernels, or the CPU's C++ kernels
+            backend = self.model.attention_backend
+            if self.model.batch_invariant:
+                log.info("batch invariant: the %s backend's kernels", backend)
+            else:
+                log.warning(
+                    "batch invariant: unavailable with the %s backend at %s (the CPU kernels need float32 and "
+                    "head_dim 64): a row's output may move with its batch",
+                    backend,
+                    dtype,
+                )
         # Sized after the weights are on the device, so gpu_memory_utilization counts them (as nano-vllm does).
         self.block_bytes = kv_block_bytes(mc, config.block_size, dtype)
         self.num_blocks = num_kv_blocks(self.model, config, self.block_bytes, device)

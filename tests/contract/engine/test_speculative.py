@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 SPEC = SpeculativeConfig(
     num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None, cost_aware=False
 )
-# batch_invariant: on a GPU, kernels whose rows do not move with the batch (the CPU's never do), else a verification
-# row's bf16 GEMM rounds unlike a decode row's and a near tie can go the other way
+# batch_invariant: kernels whose rows do not move with the batch, else a verification row rounds unlike a decode row
+# (on a GPU a bf16 GEMM picked by the batch's shape, on CPU bf16 prefill attention) and a near tie can go either way
 ENGINE = {
     "max_num_batched_tokens": 64,
     "max_num_seqs": 16,
