@@ -12,25 +12,18 @@ alias `chat` = stable (pool v1) + canary (pool v2) at 50/50, sticky per `user`, 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from collections import Counter
 
 import httpx
-import orjson
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
+from tests.support.canary import Flaky, canary_config
 from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import (
-    AliasConfig,
-    EventsConfig,
-    GatewayConfig,
-    PoolConfig,
     RolloutConfig,
-    UpstreamConfig,
-    VariantConfig,
 )
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.store.store import Store
@@ -42,26 +35,6 @@ ALIAS = {
 }
 
 
-class Flaky:
-    """A fake upstream that answers 503 to 3 of every 10 inference requests while `broken` (never two in a row: its
-    circuit stays closed), then passes everything to the fake it wraps."""
-
-    def __init__(self, inner: FakeUpstream) -> None:
-        self.inner, self.seen, self.broken = inner, itertools.count(1), True
-
-    async def __call__(self, scope, receive, send) -> None:
-        fail = scope["type"] == "http" and scope["path"].startswith("/v1/") and self.broken
-        if fail and next(self.seen) % 10 in (1, 4, 7):
-            while (await receive()).get("more_body"):
-                pass
-            body = orjson.dumps({"error": {"message": "down", "type": "server_error", "param": None, "code": None}})
-            headers = [(b"content-type", b"application/json")]
-            await send({"type": "http.response.start", "status": 503, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.inner(scope, receive, send)
-
-
 def gateway(tmp_path, canary_app, rollout: RolloutConfig, fallbacks: list[str] | None = None):
     """The gateway and both upstreams (the canary's pool falls back to `fallbacks`, none by default); yields its URL,
     the admin's headers and a tenant's key."""
@@ -71,23 +44,8 @@ def gateway(tmp_path, canary_app, rollout: RolloutConfig, fallbacks: list[str] |
             self.store = Store.open(f"sqlite:///{tmp_path}/store.db")
             self.parts = [ServerThread(FakeUpstream(model="m")).__enter__(), ServerThread(canary_app).__enter__()]
             stable_url, canary_url = (p.url for p in self.parts)
-            config = GatewayConfig(
-                port=0,
-                pools=[
-                    PoolConfig("v1", [UpstreamConfig(stable_url, name="s0", model="m")], capacity=256),
-                    PoolConfig("v2", [UpstreamConfig(canary_url, name="c0", model="m")], fallbacks=fallbacks or []),
-                ],
-                aliases=[
-                    AliasConfig(
-                        "chat",
-                        [VariantConfig("v1", 1, "stable"), VariantConfig("v2", 1, "canary")],
-                        sticky="user",
-                        rollout=rollout,
-                    )
-                ],
-                events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
-                routing_poll_interval_s=0.2,
-            )
+            events = str(tmp_path / "events.jsonl")
+            config = canary_config(stable_url, canary_url, rollout, events, fallbacks)
             app = serve_app(config, store=self.store, state_backend=InMemoryState())
             self.parts.append(app.__enter__())
             admin, _ = self.store.create_key(None, "admin", is_admin=True)

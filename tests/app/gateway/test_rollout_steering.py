@@ -15,21 +15,15 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
-import orjson
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
+from tests.support.canary import Flaky, canary_config
 from tests.support.events import the_event
 from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.config import (
-    AliasConfig,
     BreakerConfig,
-    EventsConfig,
-    GatewayConfig,
-    PoolConfig,
     RolloutConfig,
-    UpstreamConfig,
-    VariantConfig,
 )
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.store.store import Store
@@ -38,25 +32,6 @@ from tokenweir.policies.variants import pick_variant, subject_point
 
 HEADER = "x-tokenweir-variant"
 VARIANTS = ("stable", "canary")  # the alias's order: at 50/50 a subject's point below 0.5 gets stable
-
-
-class Flaky:
-    """A fake upstream that answers 503 to 3 of every 10 inference requests, never two in a row: a canary that fails
-    30% of them (its circuit stays closed, so every one of its failures is its own)."""
-
-    def __init__(self, inner: FakeUpstream) -> None:
-        self.inner, self.seen = inner, itertools.count(1)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and next(self.seen) % 10 in (1, 4, 7):
-            while (await receive()).get("more_body"):
-                pass
-            body = orjson.dumps({"error": {"message": "down", "type": "server_error", "param": None, "code": None}})
-            headers = [(b"content-type", b"application/json")]
-            await send({"type": "http.response.start", "status": 503, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.inner(scope, receive, send)
 
 
 def gateway(tmp_path, canary_app, rollout: RolloutConfig):
@@ -68,24 +43,10 @@ def gateway(tmp_path, canary_app, rollout: RolloutConfig):
             self.store = Store.open(f"sqlite:///{tmp_path}/store.db")
             self.parts = [ServerThread(FakeUpstream(model="m")).__enter__(), ServerThread(canary_app).__enter__()]
             stable_url, canary_url = (p.url for p in self.parts)
-            config = GatewayConfig(
-                port=0,
-                pools=[
-                    PoolConfig("v1", [UpstreamConfig(stable_url, name="s0", model="m")], capacity=256),
-                    PoolConfig("v2", [UpstreamConfig(canary_url, name="c0", model="m")], fallbacks=["v1"]),
-                ],
-                aliases=[
-                    AliasConfig(
-                        "chat",
-                        [VariantConfig("v1", 1, "stable"), VariantConfig("v2", 1, "canary")],
-                        sticky="user",
-                        rollout=rollout,
-                    )
-                ],
-                events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
-                routing_poll_interval_s=0.2,
-                breaker=BreakerConfig(failures=1000),  # the judge, not the breaker, deals with a failing canary
-            )
+            # the judge, not the breaker, deals with a failing canary
+            breaker = BreakerConfig(failures=1000)
+            events = str(tmp_path / "events.jsonl")
+            config = canary_config(stable_url, canary_url, rollout, events, ["v1"], breaker=breaker)
             app = serve_app(config, store=self.store, state_backend=InMemoryState())
             self.parts.append(app.__enter__())
             admin, _ = self.store.create_key(None, "admin", is_admin=True)

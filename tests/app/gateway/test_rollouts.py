@@ -14,19 +14,15 @@ import httpx
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
+from tests.support.canary import canary_config
 from tests.support.metrics import gateway_metrics
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.stack import team
 from tests.support.state import URL as REDIS_URL
 from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import (
-    AliasConfig,
-    EventsConfig,
     GatewayConfig,
-    PoolConfig,
     RolloutConfig,
-    UpstreamConfig,
-    VariantConfig,
 )
 from tokenweir.gateway.store.store import Store
 
@@ -44,24 +40,8 @@ def stack(tmp_path, canary: FakeUpstream, rollout: RolloutConfig, redis_prefix: 
             u_stable, u_canary = (t.url for t in self.threads)
 
             def config(name: str) -> GatewayConfig:
-                return GatewayConfig(
-                    port=0,
-                    state_url=REDIS_URL,
-                    pools=[
-                        PoolConfig("v1", [UpstreamConfig(u_stable, name="s0", model="m")], capacity=256),
-                        PoolConfig("v2", [UpstreamConfig(u_canary, name="c0", model="m")], fallbacks=["v1"]),
-                    ],
-                    aliases=[
-                        AliasConfig(
-                            "chat",
-                            [VariantConfig("v1", 1, "stable"), VariantConfig("v2", 1, "canary")],
-                            sticky="user",
-                            rollout=rollout,
-                        )
-                    ],
-                    events=EventsConfig(path=str(tmp_path / f"events-{name}.jsonl"), flush_interval_s=0.05),
-                    routing_poll_interval_s=0.2,
-                )
+                events = str(tmp_path / f"events-{name}.jsonl")
+                return canary_config(u_stable, u_canary, rollout, events, ["v1"], state_url=REDIS_URL)
 
             from tokenweir.gateway.state.redis import RedisState
 
