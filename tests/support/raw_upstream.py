@@ -7,6 +7,11 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+from tests.support.serve_thread import serve_app
+from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.store.store import Store
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -102,3 +107,25 @@ def silent_port() -> Iterator[int]:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
         yield listener.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(tmp_path: Path, upstream: Handler) -> AsyncIterator[dict]:
+    """A gateway whose one pool (model `m`) is `upstream` on a socket of its own, its breaker never opening so every
+    case reaches the upstream; yields {"store", "events" (the JSONL path), "url", "gw" (the server), "up"}."""
+    store = Store.open(f"sqlite:///{tmp_path}/store.db")
+    async with serve(upstream) as (url, _):
+        config = GatewayConfig(
+            port=0,
+            pools=[PoolConfig(model="m", upstreams=[UpstreamConfig(url, name="raw")])],
+            breaker=BreakerConfig(failures=1000, cooldown_s=60),
+            events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
+            usage_flush_interval_s=0.1,
+        )
+        server = serve_app(config, store=store)
+        await asyncio.to_thread(server.__enter__)
+        try:
+            yield {"store": store, "events": tmp_path / "events.jsonl", "url": server.url, "gw": server, "up": upstream}
+        finally:
+            await asyncio.to_thread(server.__exit__, None, None, None)
+    store.close()

@@ -13,11 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.raw_upstream import CUT, INTERIM_THEN_OK, MALFORMED, read_request, serve
-from tests.support.serve_thread import serve_app
+from tests.support.raw_upstream import CUT, INTERIM_THEN_OK, MALFORMED, gateway_over, read_request
 from tests.support.stack import events_of, team
-from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.store.store import Store
 
 COMPLETION = {
     "id": "c",
@@ -78,24 +75,8 @@ class RawUpstream:
 
 @pytest.fixture
 async def gateway(tmp_path):
-    raw = RawUpstream()
-    store = Store.open(f"sqlite:///{tmp_path}/store.db")
-    async with serve(raw) as (url, _):
-        config = GatewayConfig(
-            port=0,
-            pools=[PoolConfig(model="m", upstreams=[UpstreamConfig(url, name="raw")])],
-            breaker=BreakerConfig(failures=1000, cooldown_s=60),  # every case reaches the upstream
-            events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
-            usage_flush_interval_s=0.1,
-        )
-        server = serve_app(config, store=store)
-        await asyncio.to_thread(server.__enter__)
-        stack = {"store": store, "events": tmp_path / "events.jsonl", "url": server.url, "gw": server, "raw": raw}
-        try:
-            yield stack
-        finally:
-            await asyncio.to_thread(server.__exit__, None, None, None)
-    store.close()
+    async with gateway_over(tmp_path, RawUpstream()) as stack:
+        yield stack
 
 
 async def complete(stack, secret: str, case: str | None) -> httpx.Response:
@@ -128,7 +109,7 @@ async def test_a_malformed_answer_is_the_usual_upstream_error_and_the_request_is
 
     r = await complete(gateway, secret, None)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi"
-    (first, _), (second, _) = gateway["raw"].completions
+    (first, _), (second, _) = gateway["up"].completions
     assert second != first, "the next request went over a fresh socket"
 
 
@@ -142,7 +123,7 @@ async def test_a_complete_but_odd_answer_is_relayed_or_failed_cleanly(gateway, c
     await asyncio.to_thread(events_of, gateway, team_id, 1)
     r = await complete(gateway, secret, None)
     assert r.status_code == 200
-    (first, _), (second, _) = gateway["raw"].completions
+    (first, _), (second, _) = gateway["up"].completions
     assert second != first
 
 

@@ -13,12 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.raw_upstream import read_request, serve
-from tests.support.serve_thread import serve_app
+from tests.support.raw_upstream import gateway_over, read_request
 from tests.support.stack import events_of, team
-from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.request.sse_reader import MAX_EVENT_BYTES
-from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream import client as upstream_client
 
 FLOOD = 64 << 20  # what the upstream would send, if it were read to the end
@@ -92,24 +89,8 @@ class FloodingUpstream:
 
 @pytest.fixture
 async def gateway(tmp_path):
-    upstream = FloodingUpstream()
-    store = Store.open(f"sqlite:///{tmp_path}/store.db")
-    async with serve(upstream) as (url, _):
-        config = GatewayConfig(
-            port=0,
-            pools=[PoolConfig(model="m", upstreams=[UpstreamConfig(url, name="raw")])],
-            breaker=BreakerConfig(failures=1000, cooldown_s=60),
-            events=EventsConfig(path=str(tmp_path / "events.jsonl"), flush_interval_s=0.05),
-            usage_flush_interval_s=0.1,
-        )
-        server = serve_app(config, store=store)
-        await asyncio.to_thread(server.__enter__)
-        stack = {"store": store, "events": tmp_path / "events.jsonl", "url": server.url, "gw": server, "up": upstream}
-        try:
-            yield stack
-        finally:
-            await asyncio.to_thread(server.__exit__, None, None, None)
-    store.close()
+    async with gateway_over(tmp_path, FloodingUpstream()) as stack:
+        yield stack
 
 
 def body(flood: str | None = None, stream: bool = False) -> dict:
