@@ -4,9 +4,10 @@ tests that talk to them over real HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvicorn
@@ -67,3 +68,25 @@ def serve_app(config, **create_app_kwargs) -> ServerThread:
     server = ServerThread(app, port=config.port or None)
     server.app = app
     return server
+
+
+@contextlib.contextmanager
+def two_replicas(tmp_path, config: Callable[[str], Any], state: Callable[[], Any] | None = None) -> Iterator[tuple]:
+    """Two gateway replicas for `config("a")` and `config("b")`, each with its own connection to one SQLite store
+    file and its own state backend (`state()`; in memory where None). Yields (the first replica's store, the two
+    servers, the admin's headers)."""
+    from tokenweir.gateway.state.memory import InMemoryState
+    from tokenweir.gateway.store.store import Store
+
+    stores = [Store.open(f"sqlite:///{tmp_path}/store.db") for _ in range(2)]
+    try:
+        with contextlib.ExitStack() as running:
+            servers = [
+                running.enter_context(serve_app(config(name), store=store, state_backend=(state or InMemoryState)()))
+                for name, store in zip("ab", stores, strict=True)
+            ]
+            admin, _ = stores[0].create_key(None, "admin", is_admin=True)
+            yield stores[0], servers, {"authorization": f"Bearer {admin}"}
+    finally:
+        for store in stores:
+            store.close()

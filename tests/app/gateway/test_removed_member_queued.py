@@ -13,11 +13,9 @@ import httpx
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
-from tests.support.serve_thread import ServerThread, serve_app
+from tests.support.serve_thread import ServerThread, two_replicas
 from tests.support.stack import team
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.store.store import Store
 
 PER_REPLICA = 10
 ANSWER_MS = 200  # each request's time at its member: PER_REPLICA of them queue well past the change
@@ -25,7 +23,6 @@ ANSWER_MS = 200  # each request's time at its member: PER_REPLICA of them queue 
 
 @pytest.fixture(params=["capacity", "max_parallel_requests"])
 def replicas(tmp_path, request):
-    stores = [Store.open(f"sqlite:///{tmp_path}/store.db") for _ in range(2)]
     removed, stays = FakeUpstream(model="m"), FakeUpstream(model="m")
     one_at_a_time = request.param == "max_parallel_requests"
     with ServerThread(removed) as u0, ServerThread(stays) as u1:
@@ -42,19 +39,8 @@ def replicas(tmp_path, request):
                 routing_poll_interval_s=0.1,
             )
 
-        with (
-            serve_app(config("a"), store=stores[0], state_backend=InMemoryState()) as a,
-            serve_app(config("b"), store=stores[1], state_backend=InMemoryState()) as b,
-        ):
-            admin, _ = stores[0].create_key(None, "admin", is_admin=True)
-            yield {
-                "store": stores[0],
-                "gateways": [a, b],
-                "fakes": (removed, stays),
-                "admin": {"authorization": f"Bearer {admin}"},
-            }
-    for s in stores:
-        s.close()
+        with two_replicas(tmp_path, config) as (store, gateways, admin):
+            yield {"store": store, "gateways": gateways, "fakes": (removed, stays), "admin": admin}
 
 
 def applied(gateway: ServerThread) -> bool:

@@ -6,6 +6,7 @@ promoted. The decision is an event, a log line, a metric and the /admin/rollouts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -16,7 +17,7 @@ import pytest
 from loadtests.fake_upstream import FakeUpstream
 from tests.support.canary import canary_config
 from tests.support.metrics import gateway_metrics
-from tests.support.serve_thread import ServerThread, serve_app
+from tests.support.serve_thread import ServerThread, two_replicas
 from tests.support.stack import team
 from tests.support.state import URL as REDIS_URL
 from tokenweir.gateway.accounting.events import read_events
@@ -24,48 +25,32 @@ from tokenweir.gateway.config import (
     GatewayConfig,
     RolloutConfig,
 )
-from tokenweir.gateway.store.store import Store
 
 PROMPT = [101, 102, 103]
 
 
+@contextlib.contextmanager
 def stack(tmp_path, canary: FakeUpstream, rollout: RolloutConfig, redis_prefix: str):
     """Two replicas, alias `chat` = stable (pool `v1`) + canary (pool `v2`, falling back to v1) under `rollout`."""
-    stores = [Store.open(f"sqlite:///{tmp_path}/store.db") for _ in range(2)]
-    stable = FakeUpstream(model="m")
+    from tokenweir.gateway.state.redis import RedisState
 
-    class Stack:
-        def __enter__(self):
-            self.threads = [ServerThread(stable).__enter__(), ServerThread(canary).__enter__()]
-            u_stable, u_canary = (t.url for t in self.threads)
+    with ServerThread(FakeUpstream(model="m")) as stable, ServerThread(canary) as canary_thread:
 
-            def config(name: str) -> GatewayConfig:
-                events = str(tmp_path / f"events-{name}.jsonl")
-                return canary_config(u_stable, u_canary, rollout, events, ["v1"], state_url=REDIS_URL)
+        def config(name: str) -> GatewayConfig:
+            events = str(tmp_path / f"events-{name}.jsonl")
+            return canary_config(stable.url, canary_thread.url, rollout, events, ["v1"], state_url=REDIS_URL)
 
-            from tokenweir.gateway.state.redis import RedisState
+        def state() -> RedisState:
+            return RedisState(REDIS_URL, prefix=redis_prefix)
 
-            self.apps = [
-                serve_app(config(n), store=s, state_backend=RedisState(REDIS_URL, prefix=redis_prefix)).__enter__()
-                for n, s in zip("ab", stores, strict=True)
-            ]
-            admin, _ = stores[0].create_key(None, "admin", is_admin=True)
-            _, secret = team({"store": stores[0]})
-            self.info = {
-                "urls": [app.url for app in self.apps],
-                "admin": {"authorization": f"Bearer {admin}"},
+        with two_replicas(tmp_path, config, state) as (store, apps, admin):
+            _, secret = team({"store": store})
+            yield {
+                "urls": [app.url for app in apps],
+                "admin": admin,
                 "key": {"authorization": f"Bearer {secret}"},
                 "decisions": [tmp_path / "events-a.rollouts.jsonl", tmp_path / "events-b.rollouts.jsonl"],
             }
-            return self.info
-
-        def __exit__(self, *exc):
-            for part in [*self.apps, *self.threads]:
-                part.__exit__(None, None, None)
-            for s in stores:
-                s.close()
-
-    return Stack()
 
 
 async def load(info: dict, until, seconds: float) -> Counter:

@@ -13,12 +13,10 @@ import httpx
 import pytest
 
 from loadtests.fake_upstream import FakeUpstream
-from tests.support.serve_thread import ServerThread, serve_app
+from tests.support.serve_thread import ServerThread, two_replicas
 from tests.support.stack import team
 from tokenweir.gateway.accounting.events import read_events
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.store.store import Store
 
 PROMPT = [101, 102, 103]
 
@@ -26,7 +24,6 @@ PROMPT = [101, 102, 103]
 @pytest.fixture
 def replicas(tmp_path):
     """Two replicas (each its own store connection to one SQLite file) in front of three fake upstreams."""
-    stores = [Store.open(f"sqlite:///{tmp_path}/store.db") for _ in range(2)]
     fakes = [FakeUpstream(model="m") for _ in range(3)]
     with ServerThread(fakes[0]) as u0, ServerThread(fakes[1]) as u1, ServerThread(fakes[2]) as u2:
 
@@ -41,21 +38,15 @@ def replicas(tmp_path):
                 routing_poll_interval_s=0.2,
             )
 
-        with (
-            serve_app(config("a"), store=stores[0], state_backend=InMemoryState()) as a,
-            serve_app(config("b"), store=stores[1], state_backend=InMemoryState()) as b,
-        ):
-            admin, _ = stores[0].create_key(None, "admin", is_admin=True)
+        with two_replicas(tmp_path, config) as (store, (a, b), admin):
             yield {
-                "store": stores[0],
+                "store": store,
                 "urls": [a.url, b.url],
                 "upstreams": [u0.url, u1.url, u2.url],
                 "fakes": fakes,
-                "admin": {"authorization": f"Bearer {admin}"},
+                "admin": admin,
                 "events": [tmp_path / "events-a.jsonl", tmp_path / "events-b.jsonl"],
             }
-    for s in stores:
-        s.close()
 
 
 async def test_members_added_drained_and_removed_under_load_never_fail_a_request(replicas):
