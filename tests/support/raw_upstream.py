@@ -9,6 +9,8 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
+import orjson
+
 from tests.support.serve_thread import serve_app
 from tokenweir.gateway.config import BreakerConfig, EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.store.store import Store
@@ -16,6 +18,17 @@ from tokenweir.gateway.store.store import Store
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+# a whole, well-formed completion (1 token for a 3-token prompt), as an upstream's answer
+COMPLETION = {
+    "id": "c",
+    "object": "text_completion",
+    "created": 0,
+    "model": "m",
+    "choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}
+GOOD = orjson.dumps(COMPLETION)
+GOOD_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(GOOD), GOOD)
 
 
 @contextlib.asynccontextmanager

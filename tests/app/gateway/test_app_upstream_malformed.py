@@ -10,23 +10,11 @@ import json
 import time
 
 import httpx
-import orjson
 import pytest
 
-from tests.support.raw_upstream import CUT, INTERIM_THEN_OK, MALFORMED, gateway_over, read_request
+from tests.support.raw_upstream import CUT, GOOD_ANSWER, INTERIM_THEN_OK, MALFORMED, gateway_over, read_request
 from tests.support.stack import events_of, team
 
-COMPLETION = {
-    "id": "c",
-    "object": "text_completion",
-    "created": 0,
-    "model": "m",
-    "choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}],
-    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-}
-GOOD = orjson.dumps(COMPLETION)
-GOOD_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(GOOD), GOOD)
-# Complete but odd answers that llhttp may read right (extra bytes in a later packet) or fail: either is fine.
 GOOD_OR_FAILED = {"body-longer-than-content-length", "204-with-a-body"}
 
 

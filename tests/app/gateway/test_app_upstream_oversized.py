@@ -13,24 +13,13 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.raw_upstream import gateway_over, read_request
+from tests.support.raw_upstream import GOOD_ANSWER, gateway_over, read_request
 from tests.support.stack import events_of, team
 from tokenweir.gateway.request.sse_reader import MAX_EVENT_BYTES
 from tokenweir.gateway.upstream import client as upstream_client
 
 FLOOD = 64 << 20  # what the upstream would send, if it were read to the end
 NEAR_THE_BOUND = 16 << 20  # the bound, plus what the socket buffers on both sides hold
-GOOD = orjson.dumps(
-    {
-        "id": "c",
-        "object": "text_completion",
-        "created": 0,
-        "model": "m",
-        "choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-    }
-)
-GOOD_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(GOOD), GOOD)
 FIRST_CHUNK = {
     "id": "c",
     "object": "text_completion",
