@@ -5,6 +5,8 @@ hops, `run`)."""
 
 from dataclasses import replace
 
+from tokenweir.common.text.model_files import default_model_path
+from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.kv_transfer.params import RemotePrefill, producer_answer
 from tokenweir.engine.kv_transfer.trust import signed
@@ -13,6 +15,28 @@ from tokenweir.engine.sched.sampling_params import SamplingParams
 
 KV_KEY = "tests-kv-transfer-key-0123456789abcdef"
 PREFILL_HOP = {"do_remote_decode": True}
+# batch invariant: a prompt computed by the consumer (a fault's fallback) or fetched from the producer must give the
+# producer's own tokens, and without it a row's rounding follows its step's batch and chunks (bfloat16 prefill chunks
+# on a CPU with native bf16), so a near tie goes the other way when the faults change the batches
+ENGINE = {
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 32,
+    "num_kv_blocks": 640,
+    "max_model_len": 1024,
+    "batch_invariant": True,
+}
+MAX_NEW = 16
+
+
+def kv_engine(role: str, **config) -> LLM:
+    """The default model as a `role` engine (kv_producer, kv_consumer) sharing KV_KEY, sized by ENGINE (`config`
+    overrides)."""
+    kv_transfer = KVTransferConfig(kv_role=role, fetch_timeout_s=5.0, transfer_key=KV_KEY)
+    return LLM(default_model_path(), kv_transfer=kv_transfer, **(ENGINE | config))
+
+
+def greedy(max_tokens: int = MAX_NEW, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
 
 
 def build_prompts() -> list[str]:
@@ -69,7 +93,7 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list
 
 
 def prefill_hops(producer: LLM, prompts: list[str]) -> list[dict]:
-    run(producer, prompts, [SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=PREFILL_HOP)] * len(prompts))
+    run(producer, prompts, [greedy(1, kv_transfer_params=PREFILL_HOP)] * len(prompts))
     answers = [out.kv_transfer_params for out in run.finals]  # type: ignore[attr-defined]
     assert all(a and a["do_remote_prefill"] and a["remote_port"] == producer.engine.kv_server.port for a in answers)
     return answers

@@ -9,13 +9,9 @@ the producer's KV), with the engines' kernels checked to be the invariant ones."
 import pytest
 import torch
 
-from tests.support.kv_transfer import KV_KEY, PROMPTS, decode_hop, prefill_hops, run
-from tokenweir.common.text.model_files import default_model_path
-from tokenweir.engine.config import KVTransferConfig
-from tokenweir.engine.llm import LLM
+from tests.support.kv_transfer import PROMPTS, decode_hop, greedy, kv_engine, prefill_hops, run
 from tokenweir.engine.model.gguf_blocks import BLOCK_BYTES, GGUFBlocks
 from tokenweir.engine.model.linear import DenseLinear, Int8Linear, Q4Linear
-from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.kernels.cpu import ops as cpu_ops
 
 IN, OUT = 576, 192  # SmolLM2's hidden size; the output width only sets the test's cost
@@ -61,23 +57,11 @@ def test_each_projection_gives_a_row_the_same_bits_in_any_batch():
         assert moved_rows(plain, x) == [65, 129, 300]
 
 
-ENGINE = {"max_num_batched_tokens": 256, "max_num_seqs": 32, "num_kv_blocks": 640, "max_model_len": 1024}
-
-
-def engine(role: str) -> LLM:
-    kv_transfer = KVTransferConfig(kv_role=role, fetch_timeout_s=5.0, transfer_key=KV_KEY)
-    return LLM(default_model_path(), kv_transfer=kv_transfer, batch_invariant=True, **ENGINE)
-
-
-def greedy(max_tokens: int = 16) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
-
-
 @pytest.mark.slow
 def test_greedy_tokens_are_the_same_alone_batched_after_a_prefix_hit_and_across_a_split():
     if cpu_ops.load() is None:
         pytest.skip("the CPU kernels could not be built here: there is no batch-invariant CPU path to test")
-    producer, consumer = engine("kv_producer"), engine("kv_consumer")
+    producer, consumer = kv_engine("kv_producer"), kv_engine("kv_consumer")
     model = consumer.engine.runner.model
     assert model.batch_invariant and model.attention_backend == "cpu"
     layer = model.layers[0]

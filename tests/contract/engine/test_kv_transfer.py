@@ -17,29 +17,28 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from tests.support.kv_transfer import KV_KEY, PREFILL_HOP, PROMPTS, decode_hop, prefill_hops, redirected, run
-from tokenweir.common.text.model_files import default_model_path
+from tests.support.kv_transfer import (
+    MAX_NEW,
+    PREFILL_HOP,
+    PROMPTS,
+    decode_hop,
+    greedy,
+    kv_engine,
+    prefill_hops,
+    redirected,
+    run,
+)
 from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.core.errors import RequestError
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.sched.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
-# batch invariant: a prompt computed by the consumer (a fault's fallback) or fetched from the producer must give the
-# producer's own tokens, and without it a row's rounding follows its step's batch and chunks (bfloat16 prefill chunks
-# on a CPU with native bf16), so a near tie goes the other way when the faults change the batches
-ENGINE = {"max_num_batched_tokens": 256, "max_num_seqs": 32, "num_kv_blocks": 640, "max_model_len": 1024}
-ENGINE |= {"dtype": os.environ.get("TOKENWEIR_TEST_DTYPE", "auto"), "batch_invariant": True}  # GPU check: bf16, f32
-MAX_NEW = 16
-
-
-def greedy(max_tokens: int = MAX_NEW, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+DTYPE = os.environ.get("TOKENWEIR_TEST_DTYPE", "auto")  # a GPU check runs bfloat16 and float32
 
 
 def engine(role: str) -> LLM:
-    kv_transfer = KVTransferConfig(kv_role=role, fetch_timeout_s=5.0, transfer_key=KV_KEY)
-    return LLM(default_model_path(), kv_transfer=kv_transfer, **ENGINE)
+    return kv_engine(role, dtype=DTYPE)
 
 
 @pytest.fixture(scope="module")
