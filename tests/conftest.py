@@ -5,18 +5,47 @@ Kernel tests run the Triton kernels compiled on a GPU, or through Triton's inter
 must be in the environment before @triton.jit decorates the kernels, i.e. before kernels.attention.triton_paged is
 first imported, so it is set here at collection, and only without CUDA: on a GPU machine the same tests check the
 compiled kernels. If something imported the module earlier in compiled mode, it is reloaded.
+
+This file imports no torch (whether CUDA is there is read from torch's build record and the driver's device files),
+so `pytest tests/unit -m "not slow"` starts in a second and runs on the core install.
 """
 
 import importlib
+import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 pytest_plugins = ["tests.support.engine_fixtures", "tests.support.state"]
 
-if not torch.cuda.is_available():
+
+def cuda_usable() -> bool:
+    """torch.cuda.is_available() without importing torch: a CUDA build of torch, an NVIDIA driver, and devices not
+    hidden by CUDA_VISIBLE_DEVICES."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    version = Path(spec.origin).with_name("version.py")
+    built_for_cuda = version.is_file() and re.search(r"^cuda\b.*=\s*['\"]", version.read_text(), re.M) is not None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return built_for_cuda and Path("/dev/nvidiactl").exists() and visible not in ("", "-1")
+
+
+UNIT_TESTS = Path(__file__).parent / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the tests under tests/unit `unit`, so scripts/check.sh can run the fast loop first (`unit and not slow`)
+    and then everything else (`not unit or slow`) without naming a test twice."""
+    for item in items:
+        if item.path.is_relative_to(UNIT_TESTS):
+            item.add_marker(pytest.mark.unit)
+
+
+if not cuda_usable():
     os.environ["TRITON_INTERPRET"] = "1"
     if "tokenweir.kernels.attention.triton_paged" in sys.modules:
         importlib.reload(sys.modules["tokenweir.kernels.attention.triton_paged"])

@@ -1,14 +1,14 @@
 """Engine fixtures, seen by every test folder (tests/conftest.py loads this module): a tiny random Llama (same
-loader and model code path as the real one) and its HF twin."""
+loader and model code path as the real one) and its HF twin. torch is imported inside the fixtures, so the gateway's
+tests collect on the core install (no torch)."""
 
 import pytest
-import torch
-
-from tests.support.tiny_llama import make_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
+    from tests.support.tiny_llama import make_tiny_llama
+
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=1)
 
 
@@ -25,6 +25,7 @@ def smollm2_tokenizer():
 def smollm2_hf_float32():
     """HF transformers' SmolLM2 on the same GGUF weights, float32: the reference nobody here wrote. Loading it
     (gguf's numpy dequantizer) is slow, so one for the session; its users only run it."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from tokenweir.common.text.model_files import default_model_path
@@ -35,6 +36,7 @@ def smollm2_hf_float32():
 
 @pytest.fixture(scope="session")
 def tiny_hf_model(tiny_model_dir):
+    import torch
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -42,6 +44,8 @@ def tiny_hf_model(tiny_model_dir):
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by HF transformers with no stop token: the reference nobody here wrote."""
+    import torch
+
     out = hf_model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
