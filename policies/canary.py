@@ -7,7 +7,7 @@ than an absolute floor (a few ms of scheduling noise between two fast upstreams 
 (rolled back: share 0), and so is a canary left with no healthy member once it has failed a request. A step held
 long enough with no breach moves to the next only once latency was judged too (each window holds
 MIN_LATENCY_SAMPLES latencies, whatever `min_requests` says); past the last, promoted (100%).
-Pure: the windows are filled and the state stored by gateway/upstream/rollouts.py.
+Pure: the windows are filled and the state stored by gateway/runtime/rollouts.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenweir.gateway.accounting.quarantine import NUMBER, Fields, quarantine_path, read_lines, wrong_field
 
-# What start-up reads of an event: its seq, and what replay_usage (gateway/server/app.py) adds to usage.
+# What start-up reads of an event: its seq, and what replay_usage (gateway/app.py) adds to usage.
 READ_AT_START: Fields = {
     "seq": (int, None),
     "ts": NUMBER,

@@ -15,8 +15,9 @@ from starlette.exceptions import HTTPException
 
 from tokenweir.common.http.errors import APIError, error_response
 from tokenweir.common.http.validation import validation_error
-from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN, ErrorBody
-from tokenweir.gateway.server.services import Services
+from tokenweir.gateway.admin.models import ID_DOC, ID_PATTERN, PLAIN_TEXT_PATTERN, TEAM_NAME_PATTERN
+from tokenweir.gateway.deps.services import Services
+from tokenweir.gateway.openai.error_body import ErrorBody
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Conflict, NotFound, Store, Team
 

@@ -29,7 +29,7 @@ from tokenweir.gateway.admin.models import (
     KeyOut,
     KeyUpdate,
 )
-from tokenweir.gateway.server.services import Services, ServicesDep
+from tokenweir.gateway.deps.services import Services, ServicesDep
 
 KeyId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="The key's id. " + ID_DOC)]
 

@@ -298,14 +298,3 @@ class TeamState(BaseModel):
         "while it is unreachable (see live_error)."
     )
     live_error: str | None = Field(None, description="Why `live` is null while a state backend is configured.")
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail

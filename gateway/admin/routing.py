@@ -23,10 +23,10 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.admin.common import OpenAIErrorRoute, error_doc, store_call, store_of
 from tokenweir.gateway.admin.models import PLAIN_TEXT_PATTERN
 from tokenweir.gateway.config import AliasConfig, PoolConfig, UpstreamConfig, member_key_env_error, routes_error
-from tokenweir.gateway.server.services import Services, ServicesDep
+from tokenweir.gateway.deps.services import Services, ServicesDep
+from tokenweir.gateway.runtime.routing_sync import Composed, alias_body, pool_body
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, Instance, Pool, Routes
-from tokenweir.gateway.upstream.routing_sync import Composed, alias_body, pool_body
 from tokenweir.policies.canary import PROMOTED, ROLLED_BACK, RolloutState
 
 router = APIRouter(route_class=OpenAIErrorRoute)

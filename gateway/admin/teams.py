@@ -39,8 +39,8 @@ from tokenweir.gateway.admin.models import (
     UsageTotals,
 )
 from tokenweir.gateway.admin.routing import router as routing_router
-from tokenweir.gateway.server.callers import require_admin
-from tokenweir.gateway.server.services import Services, ServicesDep
+from tokenweir.gateway.deps.callers import require_admin
+from tokenweir.gateway.deps.services import Services, ServicesDep
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.policies.budget import DAY, MONTH, period_start_day
 from tokenweir.policies.pricing import femtos_to_usd

@@ -153,7 +153,7 @@ def serve_forever(config: GatewayConfig) -> None:
         if config.workers > 1:
             asyncio.run(serve_workers(config))
             return
-        from tokenweir.gateway.server.app import create_app
+        from tokenweir.gateway.app import create_app
 
         store, sock = open_gateway(config)
         app = create_app(config, store=store)
@@ -169,7 +169,7 @@ def serve_forever(config: GatewayConfig) -> None:
 async def serve_with_replicas(config: GatewayConfig, replicas) -> None:
     """The engine replicas run in this event loop, beside the gateway (its instances marked down on an engine's
     exit) or beside the gateway workers."""
-    from tokenweir.gateway.server.app import create_app
+    from tokenweir.gateway.app import create_app
 
     try:
         await replicas.start()

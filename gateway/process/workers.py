@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     import structlog
 
     from tokenweir.common.logging import configure
+    from tokenweir.gateway.app import create_app
     from tokenweir.gateway.process.cli import gateway_server, load_config_or_exit
-    from tokenweir.gateway.server.app import create_app
 
     config = worker_config(load_config_or_exit(args.config, env={}), args.index)
     configure(config.log_level)

@@ -49,12 +49,12 @@ from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.tracing import gateway_tracing
 from tokenweir.gateway.request.variant_choice import baseline_pool, choose_variant
+from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
-from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.pricing import max_cost_over

@@ -1,7 +1,7 @@
 """Tasks that must run to their end although the request that started them is cancelled: a request's settle, a state
 call whose result must be given back (gateway/request/settle.py `Settler.take`).
 
-One `BackgroundTasks` per app, created by its lifespan (gateway/server/app.py) and kept in its `Services`; shutdown
+One `BackgroundTasks` per app, created by its lifespan (gateway/app.py) and kept in its `Services`; shutdown
 waits for it, so that requests cut by the server's grace timeout still abort, settle and write their event before
 usage and events are flushed (uvicorn cancels the handler tasks and goes straight on to the lifespan's exit).
 

@@ -12,7 +12,7 @@ loss may take the tail, as it may the events' between fsyncs: holds and leases t
     {"k": key, "t": "hop", ...}    an attempt sent to an instance: its upstream id, base URL, ours or external
     {"k": key, "t": "done"}        `Settler.finish` has settled it and written its event
 
-`recover` runs at start-up, before serving (gateway/server/app.py): every request without "done" is settled from what
+`recover` runs at start-up, before serving (gateway/app.py): every request without "done" is settled from what
 its upstream says it made (our engine's POST /abort answers with the usage of a request it ran), or from the
 reservation's bound where it cannot say, and the file starts afresh (a line it cannot read is kept in
 `<journal>.quarantine`, gateway/accounting/quarantine.py). The file is compacted to the live requests' lines

@@ -9,7 +9,7 @@ Admission makes one `RequestEnd` per request it takes, and the request is settle
   (`body_ended`: the client gone, a shutdown) and settles it when it is over.
 
 A request refused before admission never gets here: its one end is `Settler.finish_unadmitted` (reached from the
-error handlers and the middleware, gateway/server/app.py). The end also holds what it must close: the upstream stream
+error handlers and the middleware, gateway/app.py). The end also holds what it must close: the upstream stream
 of the hop being relayed (`stream`, relay.HopStream), so that whoever ends the request closes it; and what follows
 it: `on_settled`, called with the output tokens billed once the request is settled (a mirror to its pool's shadow
 pool, gateway/request/shadow.py, which asks no more than that).

@@ -34,12 +34,12 @@ from tokenweir.gateway.request.context import RequestContext, RequestRecord, Req
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
+from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
-from tokenweir.gateway.upstream.rollouts import Rollouts
 from tokenweir.policies.budget import day_key
 from tokenweir.policies.canary import judged
 from tokenweir.policies.pricing import femtos_to_usd

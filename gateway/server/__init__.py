@@ -1,1 +1,1 @@
-"""The HTTP face: the ASGI app and its lifespan, middleware, thin routes, probes, the door's limits."""
+"""The inference routes: thin routes, the fast lane, probes, `me`. The app that mounts them is gateway/app.py."""

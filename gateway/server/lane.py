@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from tokenweir.common.http.errors import APIError
+from tokenweir.gateway.deps.callers import require_key
+from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
-from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.routes import inference_response
-from tokenweir.gateway.server.services import Services
 
 ErrorHandler = Callable[[Request, APIError], Awaitable[Any]]
 

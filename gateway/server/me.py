@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.auth.authenticator import Principal
-from tokenweir.gateway.server.services import Services
+from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.policies.limits import KeyLimits
 from tokenweir.policies.snapshot import with_limits

@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenweir.common.http.errors import APIError, error_response
-from tokenweir.gateway.server.callers import bearer_secret
-from tokenweir.gateway.server.services import ServicesDep
+from tokenweir.gateway.deps.callers import bearer_secret
+from tokenweir.gateway.deps.services import ServicesDep
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.store.db import DB_ERRORS
 

@@ -15,15 +15,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from tokenweir.common.http.errors import APIError
-from tokenweir.gateway.admin.models import ErrorBody
 from tokenweir.gateway.auth.authenticator import Principal
+from tokenweir.gateway.deps.callers import require_key
+from tokenweir.gateway.deps.services import Services, ServicesDep
 from tokenweir.gateway.openai.body import check_body, orjson_body
 from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
+from tokenweir.gateway.openai.error_body import ErrorBody
 from tokenweir.gateway.openai.schema import CHAT, COMPLETION, EMBEDDING
 from tokenweir.gateway.request.context import request_scope
-from tokenweir.gateway.server.callers import require_key
 from tokenweir.gateway.server.me import key_info
-from tokenweir.gateway.server.services import Services, ServicesDep
 from tokenweir.gateway.upstream.pools import Upstreams
 
 router = APIRouter()

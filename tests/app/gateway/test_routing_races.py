@@ -19,9 +19,9 @@ from loadtests.fake_upstream import FakeUpstream
 from tests.support.serve_thread import ServerThread, serve_app
 from tests.support.store import pg_schema_url
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig, routes_error
+from tokenweir.gateway.runtime.routing_sync import compose, pool_body
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.store.store import Store
-from tokenweir.gateway.upstream.routing_sync import compose, pool_body
 
 ROUNDS = 200
 POLL_S = 0.05

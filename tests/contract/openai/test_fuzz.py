@@ -28,8 +28,8 @@ from schemathesis.python import asgi as schemathesis_asgi
 
 from loadtests.fake_upstream import FakeUpstream
 from tests.support.serve_thread import ServerThread
+from tokenweir.gateway.app import create_app
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.server.app import create_app
 from tokenweir.gateway.store.store import Store
 
 MODEL = "fake-model"  # served by the fake as if it were our engine (text only, /abort, exact usage)

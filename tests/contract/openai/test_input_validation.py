@@ -19,8 +19,8 @@ from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
+from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.openai import body as body_parsing
-from tokenweir.gateway.server.services import Services
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 

@@ -12,8 +12,8 @@ from fastapi import Depends, FastAPI
 
 from tokenweir.common.http.errors import APIError, api_error_handler
 from tokenweir.gateway.auth.authenticator import Authenticator, Principal
-from tokenweir.gateway.server.callers import require_admin, require_key
-from tokenweir.gateway.server.services import Services
+from tokenweir.gateway.deps.callers import require_admin, require_key
+from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 

@@ -12,11 +12,11 @@ import pytest
 from loadtests.fake_upstream import FakeUpstream
 from tests.support.serve_thread import ServerThread
 from tokenweir.gateway.config import DiscoveryConfig, GatewayConfig, PoolConfig, UpstreamConfig, load_config
+from tokenweir.gateway.runtime.routing_sync import RoutingSync, pool_body
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.discovery import Addresses, Discovery, at_address, expand
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
-from tokenweir.gateway.upstream.routing_sync import RoutingSync, pool_body
 
 URL = "http://engines.ns.svc.cluster.local:8100/v1"
 

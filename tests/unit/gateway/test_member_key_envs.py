@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig, load_config
+from tokenweir.gateway.runtime.routing_sync import compose, pool_body
 from tokenweir.gateway.store.routing import RoutingEntry
-from tokenweir.gateway.upstream.routing_sync import compose, pool_body
 
 MEMBER = "pools:\n  - model: m\n    upstreams:\n      - base_url: http://h:1\n        api_key_env: {name}\n"
 

@@ -13,9 +13,9 @@ from tokenweir.gateway.config import (
     UpstreamConfig,
     VariantConfig,
 )
+from tokenweir.gateway.runtime.routing_sync import alias_body, compose, effective_alias, pool_body, pool_from_body
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.upstream.pools import Upstreams
-from tokenweir.gateway.upstream.routing_sync import alias_body, compose, effective_alias, pool_body, pool_from_body
 from tokenweir.policies.canary import ROLLED_BACK, RolloutState
 
 

@@ -1,6 +1,6 @@
 """The gateway app: `create_app(config)` wires store, auth, state, queues, upstreams, events and metrics.
 
-The lifespan opens what needs opening, builds the app's `Services` whole (gateway/server/services.py) and, on
+The lifespan opens what needs opening, builds the app's `Services` whole (gateway/deps/services.py) and, on
 shutdown (uvicorn runs it on SIGTERM too), drains: the requests cut at shutdown settle (their background tasks), then
 usage and events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
 store, and seeds the shared state's budgets from the store, retrying (and answering 503 state_unavailable
@@ -33,6 +33,7 @@ from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import GatewayConfig, config_digest
+from tokenweir.gateway.deps.services import Services, services_of
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
 from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.admission import Admission
@@ -40,10 +41,11 @@ from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import open_scope, request_scope
 from tokenweir.gateway.request.inflight import recover
 from tokenweir.gateway.request.queue import DispatchQueue
+from tokenweir.gateway.runtime.rollouts import Rollouts
+from tokenweir.gateway.runtime.routing_sync import RoutingSync
 from tokenweir.gateway.server.lane import GatewayApp, InferenceLane
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
-from tokenweir.gateway.server.services import Services, services_of
 from tokenweir.gateway.state.backend import StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
@@ -53,8 +55,6 @@ from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.discovery import Discovery
 from tokenweir.gateway.upstream.pools import Upstreams
-from tokenweir.gateway.upstream.rollouts import Rollouts
-from tokenweir.gateway.upstream.routing_sync import RoutingSync
 from tokenweir.gateway.upstream.shared_index import SharedPrefixIndex
 from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
 from tokenweir.policies.pricing import usd_to_femtos

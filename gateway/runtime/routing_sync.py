@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.config import AliasConfig, PoolConfig, member_key_env_error, parse_section, routes_error
+from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.routing import RoutingEntry
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.discovery import Discovery
@@ -141,8 +142,8 @@ class RoutingSync:
         self.applied = (0, Composed(self.seed_pools, self.seed_aliases, {}, {}))
         # one refresh at a time: a slower one (the poll's) never applies its older table over a newer one
         self._refreshing = asyncio.Lock()
-        self.poll = Periodic(self.refresh, "routing_refresh_failed")  # the store away: the table we have stands
-        self.discover = Periodic(self.rediscover, "discovery_failed")
+        self.poll = Periodic(self.refresh, "routing_refresh_failed", DB_ERRORS)  # the table we have stands
+        self.discover = Periodic(self.rediscover, "discovery_failed", DB_ERRORS)
 
     def composed(self, entries: list[RoutingEntry]) -> Composed:
         return compose(self.seed_pools, self.seed_aliases, entries, self.api_key_envs)

@@ -20,18 +20,18 @@ if TYPE_CHECKING:
     from tokenweir.gateway.request.admission import Admission
     from tokenweir.gateway.request.background import BackgroundTasks
     from tokenweir.gateway.request.queue import DispatchQueue
+    from tokenweir.gateway.runtime.rollouts import Rollouts
+    from tokenweir.gateway.runtime.routing_sync import RoutingSync
     from tokenweir.gateway.state.backend import StateBackend
     from tokenweir.gateway.state.outbox import StateOutbox
     from tokenweir.gateway.store.store import Store
     from tokenweir.gateway.upstream.client import UpstreamClient
     from tokenweir.gateway.upstream.pools import Upstreams
-    from tokenweir.gateway.upstream.rollouts import Rollouts
-    from tokenweir.gateway.upstream.routing_sync import RoutingSync
 
 
 @dataclass(slots=True, eq=False)
 class Services:
-    """Everything a request may reach, built whole by the lifespan (gateway/server/app.py) before the first request."""
+    """Everything a request may reach, built whole by the lifespan (gateway/app.py) before the first request."""
 
     config: GatewayConfig
     upstreams: Upstreams

@@ -21,11 +21,12 @@ import orjson
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.config import AliasConfig, RolloutConfig
+from tokenweir.gateway.runtime.routing_sync import RoutingSync, alias_body
+from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.routing import VersionConflict
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream.periodic import Periodic
 from tokenweir.gateway.upstream.pools import OPEN, Pool, Upstreams
-from tokenweir.gateway.upstream.routing_sync import RoutingSync, alias_body
 from tokenweir.policies.canary import PROGRESSING, RolloutState, Summary, Thresholds, Window, advance, restarted
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class Rollouts:
         # last saw the rollout start over: requests that arrived before that are the old rollout's
         self.seen: dict[str, RolloutState] = {}
         self.started_at: dict[str, float] = {}
-        self.judge = Periodic(self.tick, "rollout_tick_failed")  # the store away: judged again next time
+        self.judge = Periodic(self.tick, "rollout_tick_failed", DB_ERRORS)  # the store away: judged again next time
 
     def observe(
         self,

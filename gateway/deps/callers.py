@@ -8,8 +8,8 @@ from fastapi import Depends, Request
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.auth.authenticator import Principal, invalid_key
+from tokenweir.gateway.deps.services import ServicesDep
 from tokenweir.gateway.request.context import request_scope
-from tokenweir.gateway.server.services import ServicesDep
 
 
 def bearer_secret(request: Request) -> str | None:
