@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks and the tests (README's test command; .ci/run calls it after scripts/setup.sh), cheapest first and
 # stopping at the first stage that fails: lint and format, the import contracts of ARCHITECTURE.md, the type checker
-# (strict on common/ and policies/), the fast loop (the unit tests that load no model: seconds), then everything else
-# in parallel (pytest-xdist; a test file stays on one worker, since some files share a fixture or a Redis db). With
-# arguments, only pytest runs, with them (e.g. `bash scripts/check.sh tests/unit/policies -x`).
+# (strict on common/, policies/, the request path and the scheduler), the fast loop (the unit tests that load no
+# model: seconds), then everything else in parallel (pytest-xdist; a test file stays on one worker, since some files
+# share a fixture or a Redis db). With arguments, only pytest runs, with them (e.g. `bash scripts/check.sh
+# tests/unit/policies -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest -q)

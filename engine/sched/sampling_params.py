@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass
@@ -24,11 +25,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (completions' echo)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
-    structured: dict | None = None  # an OpenAI response_format (json_object / json_schema) the output must follow
+    # an OpenAI response_format (json_object / json_schema) the output must follow
+    structured: dict[str, Any] | None = None
     speculative: bool = True  # False: this request never speculates, whatever the engine's setting
     # disaggregated prefill (engine/kv_transfer/params.py): {"do_remote_decode": true} on a prefill hop, the
     # producer's answer on the decode hop
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's cache_salt: the prefix cache's blocks of a salted request are found only by requests with the same salt
     # (common/text/prefix_hash.py), so tenants cannot see each other's hits; the gateway sets one per team
     cache_salt: str | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenweir.common.text.prefix_hash import root
 from tokenweir.engine.sched.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ class Sequence:
         # disaggregated prefill: a prefill hop's sequence keeps its blocks for a decode engine when it finishes
         # (`kv_transfer_params` says where to fetch them); a decode hop's fetches its prompt's KV before it computes
         self.remote_decode = False
-        self.kv_transfer_params: dict | None = None  # a finished prefill hop's answer
+        self.kv_transfer_params: dict[str, Any] | None = None  # a finished prefill hop's answer
         self.num_remote_tokens: int | None = None  # a decode hop's: prompt tokens a producer holds, to fetch
         # speculative decoding: tokens proposed to follow token_ids, checked by the model in this step (never part of
         # token_ids, the block hashes or the prefix cache until accepted)

@@ -38,13 +38,15 @@ from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.event_faults import unavailable
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
+from tokenweir.gateway.accounting.usage import UsageRecorder
+from tokenweir.gateway.auth.authenticator import Principal
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
-from tokenweir.gateway.request.queue import queue_for
+from tokenweir.gateway.request.queue import DispatchQueue, queue_for
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.tracing import gateway_tracing
@@ -73,11 +75,11 @@ class Admission:
         config: GatewayConfig,
         upstreams: Upstreams,
         state: StateBackend,
-        queues: dict,
+        queues: dict[str, DispatchQueue],
         client: UpstreamClient,
         events: EventWriter,
         metrics: Metrics,
-        usage,
+        usage: UsageRecorder,
         outbox: StateOutbox | None,
         background: BackgroundTasks,
         rollouts: Rollouts | None = None,
@@ -106,7 +108,9 @@ class Admission:
         self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
         self.tracing = gateway_tracing(config.tracing)  # None when off
 
-    async def handle(self, request: Request, principal, body: dict, kind: InferenceKind) -> Response:
+    async def handle(
+        self, request: Request, principal: Principal, body: dict[str, Any], kind: InferenceKind
+    ) -> Response:
         ctx = self.new_context(request, principal, body, kind)
         if self.tracing is not None:  # from its arrival; its end (Settler.finish) ends its spans
             ctx.trace = self.tracing.start(request, ctx, request_scope(request).t0)
@@ -157,7 +161,9 @@ class Admission:
         if events.faults.fault is not None:
             raise unavailable(events.retry_after_s)
 
-    def new_context(self, request: Request, principal, body: dict, kind: InferenceKind) -> RequestContext:
+    def new_context(
+        self, request: Request, principal: Principal, body: dict[str, Any], kind: InferenceKind
+    ) -> RequestContext:
         if principal.team is None:
             raise APIError(
                 403, "This key belongs to no team (admin keys manage the gateway); use a team key.", "no_team"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -61,17 +61,17 @@ async def _resume(work: Coroutine[Any, Any, T], yielded: Any) -> T:
             try:
                 yielded = work.throw(e)
             except StopIteration as stop:
-                return stop.value
+                return cast(T, stop.value)
             continue
         try:
             yielded = work.send(value)
         except StopIteration as stop:
-            return stop.value
+            return cast(T, stop.value)
 
 
 class BackgroundTasks:
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -94,7 +94,7 @@ class BackgroundTasks:
         """Run `work` to completion even if the caller is cancelled meanwhile (the caller still sees the cancel)."""
         started = self.start(work)
         if isinstance(started, Done):
-            return started.value
+            return cast(T, started.value)
         return await asyncio.shield(started)
 
     async def wait(self, timeout_s: float = 10.0) -> None:

@@ -17,6 +17,7 @@ Meanwhile admission refuses new requests while the event log is failing (gateway
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
@@ -42,7 +43,7 @@ class Bill:
     user: str | None
     cost_femtos: int
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         """The usage row's fields, as UsageRecorder.add and .bill_now take them by name."""
         return {
             "team_id": self.team_id, "model": self.model, "prompt_tokens": self.prompt,
@@ -53,7 +54,7 @@ class Bill:
 
 async def record(
     ctx: RequestRecord,
-    event: dict,
+    event: dict[str, Any],
     bill: Bill | None,
     *,
     events: EventWriter,

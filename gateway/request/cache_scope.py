@@ -14,7 +14,7 @@ that refuses fields it does not know (OpenAI's own API) is in a pool with `cache
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -44,7 +44,7 @@ def request_salt(ctx: RequestContext, model: str) -> str | None:
     return cache_salt(scope, ctx.team_id, ctx.key_id, client if isinstance(client, str) and client else None)
 
 
-def with_salt(body: dict, salt: str | None) -> dict:
+def with_salt(body: dict[str, Any], salt: str | None) -> dict[str, Any]:
     """A copy of `body` sent with `salt` (a client's own cache_salt is left out: `salt` holds it already)."""
     out = {k: v for k, v in body.items() if k != "cache_salt"}
     if salt is not None:

@@ -84,7 +84,8 @@ class RequestRecord:
     max_tokens: int | None = None  # output tokens reserved: choices x the body's max_tokens (0 for embeddings)
     choices: int = 1  # sequences the upstream generates: prompts x max(n, best_of)
     route: list[str] = field(default_factory=list)
-    route_reason: dict | None = None  # why the first hop (policies/routing.py RouteReason.as_dict): for the event
+    # why the first hop (policies/routing.py RouteReason.as_dict): for the event
+    route_reason: dict[str, Any] | None = None
     served_model: str | None = None  # the pool of the last hop tried: its usage row
     # The id the upstream knows this attempt by (and /abort targets). Never the client's X-Request-Id: two
     # requests, maybe of two teams, could send the same one, and an abort must stop only its own request.
@@ -105,7 +106,8 @@ class RequestRecord:
     # disaggregated prefill: the prefill member whose KV the decode hop fetched, and how long its hop took
     prefill_instance: str | None = None
     prefill_s: float | None = None
-    kv_transfer: dict | None = None  # the decode hop's kv_transfer_params: the KV it fetched, bytes, milliseconds
+    # the decode hop's kv_transfer_params: the KV it fetched, bytes, milliseconds
+    kv_transfer: dict[str, Any] | None = None
     model_revision: str | None = None  # the model version the last hop's instance serves
     # a request for an alias (weighted variants): the name the client asked for, and the variant it got (whose
     # pool is `model`)
@@ -114,6 +116,13 @@ class RequestRecord:
     steered: bool = False  # the variant was picked by the x-tokenweir-variant header: no rollout judges it
     # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
     trace: RequestTrace | None = None
+
+    def note_drafts(self, details: dict[str, Any]) -> None:
+        """The upstream's speculative decoding, from OpenAI's prediction-token counts (completion_tokens_details), if
+        well formed."""
+        accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
+        if type(accepted) is int and type(rejected) is int and accepted >= 0 and rejected >= 0:
+            self.draft_tokens, self.accepted_draft_tokens = accepted + rejected, accepted
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -127,7 +136,7 @@ class RequestContext(RequestRecord):
     key_id: str
     model: str
     limits: TeamLimits
-    body: dict
+    body: dict[str, Any]
     deadline_base: float  # loop.time() at arrival: deadlines are loop-time instants (uvloop's clock ticks in ms)
     client_usage: bool = False
     client_continuous: bool = False
@@ -140,7 +149,7 @@ class RequestContext(RequestRecord):
     ticket: Ticket | None = None
     hop: Hop | None = None
     member_lease: tuple[str, str] | None = None  # (member, lease id): the hop's slot under its max_parallel_requests
-    usage: dict | None = None
+    usage: dict[str, Any] | None = None
     incomplete: bool = False  # the upstream may still be generating: abort it in finish
     instance_ok: bool = True
     # tokens made by hops that failed before their first token (the engine told us on /abort): billed too
@@ -155,7 +164,7 @@ class RequestContext(RequestRecord):
     # prompt's KV (the decode hop's kv_transfer_params), and the loop time its TTFT clock started
     prefill_hops: list[Hop] = field(default_factory=list)
     context_fallback: str | None = None  # the pool of a longer context that serves a prompt too long for `model`'s
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     ttft_clock: float | None = None
     prefill_pin: tuple[Hop, str] | None = None  # the prefill hop that holds the KV, and its upstream request id
     routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
@@ -171,7 +180,9 @@ class RequestContext(RequestRecord):
         return self.routes.aliases
 
     @classmethod
-    def admitted(cls, request_id: str, principal: Principal, body: dict, kind: InferenceKind) -> RequestContext:
+    def admitted(
+        cls, request_id: str, principal: Principal, body: dict[str, Any], kind: InferenceKind
+    ) -> RequestContext:
         """The context of a request admission takes: what the body asks for, within what its team's key grants."""
         team = principal.team
         assert team is not None  # Admission.new_context refuses a key without a team

@@ -293,7 +293,7 @@ class Dispatcher:
         if hop.instance.cfg.engine:
             self.settler.background.spawn(relay.abort(self.client, hop, upstream_id))
 
-    def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict:
+    def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict[str, object]:
         body = with_salt(ctx.body, request_salt(ctx, hop.model))  # whose prefix cache it may use: its pool's scope
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
             body["priority"] = ctx.priority
@@ -333,7 +333,7 @@ class Dispatcher:
         ctx.finish_reason = choices[0].get("finish_reason")
         return Response(raw, 200, headers=_rate_headers(ctx), media_type="application/json")
 
-    def estimated_usage(self, ctx: RequestContext, answer: dict) -> dict:
+    def estimated_usage(self, ctx: RequestContext, answer: dict[str, object]) -> dict[str, object]:
         """An upstream that reported no usage: the prompt as admission counted it, the output as the text of every
         choice counts (the same documented estimate as a stream cut off before its usage)."""
         text = generated_text(answer)

@@ -36,7 +36,7 @@ from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.quarantine import NUMBER, Fields, read_lines, wrong_field
 from tokenweir.gateway.request.context import RequestContext, RequestRecord
 from tokenweir.gateway.request.outcome import Outcome
-from tokenweir.gateway.state.backend import StateUnavailable
+from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
 from tokenweir.gateway.upstream.client import UpstreamClient, request_json
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class InflightJournal:
             self._compact()
         return written
 
-    def _append(self, ctx: RequestContext, line: dict) -> None:
+    def _append(self, ctx: RequestContext, line: dict[str, Any]) -> None:
         entry = self._live.get(ctx)
         if entry is None:
             entry = self._live[ctx] = (self._prefix + str(next(self._keys)), [])
@@ -161,9 +161,9 @@ class Unfinished:
     """A request a dead process left without its "done": what it took and where it went."""
 
     key: str
-    res: dict | None = None
-    leases: list[dict] = field(default_factory=list)
-    hops: list[dict] = field(default_factory=list)
+    res: dict[str, Any] | None = None
+    leases: list[dict[str, Any]] = field(default_factory=list)
+    hops: list[dict[str, Any]] = field(default_factory=list)
 
 
 # Each kind of line, the fields recovery reads of it and their types (gateway/accounting/quarantine.py).
@@ -232,7 +232,7 @@ def read_unfinished(path: str | Path) -> list[Unfinished]:
 async def recover(
     journal: InflightJournal,
     settler: Settler,
-    state,
+    state: StateBackend,
     outbox: StateOutbox | None,
     client: UpstreamClient,
     upstreams: Upstreams,
@@ -248,7 +248,15 @@ async def recover(
     return sum(results)
 
 
-async def _settle(u: Unfinished, settler: Settler, state, outbox, client, upstreams, billed: set[str]) -> int:
+async def _settle(
+    u: Unfinished,
+    settler: Settler,
+    state: StateBackend,
+    outbox: StateOutbox | None,
+    client: UpstreamClient,
+    upstreams: Upstreams,
+    billed: set[str],
+) -> int:
     """One unfinished request: its leases back, its hold settled at what was made, its event. 1 if it wrote one."""
     for op in u.leases:
         await _apply(state, outbox, op)
@@ -318,7 +326,7 @@ async def _made(u: Unfinished, client: UpstreamClient, upstreams: Upstreams) -> 
     return prompt, completion, source
 
 
-async def _abort(client: UpstreamClient, upstreams: Upstreams, hop: dict) -> dict | None:
+async def _abort(client: UpstreamClient, upstreams: Upstreams, hop: dict[str, Any]) -> dict[str, Any] | None:
     """POST /abort to the instance the attempt went to, with that instance's credentials from the config (never
     from the journal: no secret is written there)."""
     headers = {"content-type": "application/json"}
@@ -328,10 +336,11 @@ async def _abort(client: UpstreamClient, upstreams: Upstreams, hop: dict) -> dic
                 headers |= inst.auth_headers()
                 break
     body = orjson.dumps({"request_id": hop["uid"]})
-    return await request_json(client, "POST", hop["url"] + "/abort", body, headers, timeout_s=5.0)
+    answer = await request_json(client, "POST", hop["url"] + "/abort", body, headers, timeout_s=5.0)
+    return answer if isinstance(answer, dict) else None
 
 
-async def _apply(state, outbox: StateOutbox | None, op: dict) -> None:
+async def _apply(state: StateBackend, outbox: StateOutbox | None, op: dict[str, Any]) -> None:
     """A settle or a release on the shared state (both idempotent); the outbox keeps it while the state is away.
     The in-process state died with the process that held these: nothing of it is left to give back."""
     if not hasattr(state, "replay"):

@@ -18,6 +18,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenweir.gateway.config import PoolConfig
 from tokenweir.policies.decisions import Rejected
@@ -47,7 +48,7 @@ class Ticket:
 @dataclass(eq=False)
 class _Waiter:
     ticket: Ticket
-    future: asyncio.Future
+    future: asyncio.Future[Ticket | None]
     queued: bool = True
     shed: Rejected | None = None  # set when displaced: its future then resolves to None, never to a ticket
 
@@ -132,7 +133,7 @@ class DispatchQueue:
         self.capacity = n
         self._dispatch()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {
             "capacity": self.capacity,
             "in_use": self._in_use,

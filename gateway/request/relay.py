@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from starlette.responses import Response
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.logging import get_logger
@@ -116,8 +117,8 @@ def make_client(connect_s: float = 5.0) -> UpstreamClient:
 
 
 def upstream_request(
-    hop: Hop, body: dict, request_id: str, stream: bool, traceparent: str | None = None
-) -> tuple[str, bytes, dict]:
+    hop: Hop, body: dict[str, Any], request_id: str, stream: bool, traceparent: str | None = None
+) -> tuple[str, bytes, dict[str, Any]]:
     """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk; with
     tracing, the W3C `traceparent` of the hop's span (gateway/request/tracing.py), which the upstream continues."""
     inst = hop.instance
@@ -138,11 +139,11 @@ async def call_json(
     client: UpstreamClient,
     hop: Hop,
     path: str,
-    body: dict,
+    body: dict[str, Any],
     request_id: str,
     deadline: float,
     traceparent: str | None = None,
-):
+) -> tuple[dict[str, Any], bytes]:
     """Non-stream request -> (parsed JSON, raw body): a 200 whose body is an answer (`answer_fault`); anything else
     is the hop's failure (UpstreamFailed) or the client's (UpstreamRejected). TimeoutError past the deadline."""
     base, content, headers = upstream_request(hop, body, request_id, False, traceparent)
@@ -234,7 +235,7 @@ async def open_stream(
     client: UpstreamClient,
     hop: Hop,
     path: str,
-    body: dict,
+    body: dict[str, Any],
     request_id: str,
     deadline: float,
     traceparent: str | None = None,
@@ -259,11 +260,12 @@ async def open_stream(
     return SSEStream(response)
 
 
-async def abort(client: UpstreamClient, hop: Hop, request_id: str) -> dict | None:
+async def abort(client: UpstreamClient, hop: Hop, request_id: str) -> dict[str, Any] | None:
     """Tell our engine to stop `request_id`; its answer carries the exact usage made. None if it cannot say."""
     headers = {"content-type": "application/json", **hop.instance.auth_headers()}
     body = orjson.dumps({"request_id": request_id})
-    return await request_json(client, "POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
+    answer = await request_json(client, "POST", hop.instance.cfg.base_url + "/abort", body, headers, timeout_s=5.0)
+    return answer if isinstance(answer, dict) else None
 
 
 def sse_error(message: str, code: str, type_: str = "server_error") -> bytes:
@@ -294,7 +296,7 @@ class StreamResponse(Response):
         self.status_code = 200
         self.background = None
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected, shutdown, watching = False, False, True
         task = asyncio.current_task()
         assert task is not None  # the server runs this in a task

@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import OUTPUT_BUCKETS, PROMPT_BUCKETS, Metrics, length_bucket
+from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import billing, relay
@@ -33,13 +34,14 @@ from tokenweir.gateway.request.billing import Bill
 from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope, clip
 from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
+from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.state.outbox import StateOutbox
 from tokenweir.gateway.upstream.client import UpstreamClient
-from tokenweir.gateway.upstream.pools import Upstreams
+from tokenweir.gateway.upstream.pools import Hop, Upstreams
 from tokenweir.policies.budget import day_key
 from tokenweir.policies.canary import judged
 from tokenweir.policies.pricing import femtos_to_usd
@@ -55,11 +57,11 @@ class Settler:
         upstreams: Upstreams,
         state: StateBackend,
         local: StateBackend | None,
-        queues: dict,
+        queues: dict[str, DispatchQueue],
         client: UpstreamClient,
         events: EventWriter,
         metrics: Metrics,
-        usage,
+        usage: UsageRecorder,
         outbox: StateOutbox | None,
         counter: Callable[[str], TokenCounter],
         background: BackgroundTasks,
@@ -75,7 +77,7 @@ class Settler:
         # writes nothing, as in tests that build a Settler alone)
         self.journal = journal or InflightJournal(journal_path(events.path))
 
-    def dispatched(self, ctx: RequestContext, hop) -> None:
+    def dispatched(self, ctx: RequestContext, hop: Hop) -> None:
         """Dispatch is about to send an attempt to `hop` under `ctx.upstream_id`: journaled, so that a restart
         after this process dies can ask that instance what it made."""
         self.journal.hop(ctx, hop)
@@ -209,7 +211,7 @@ class Settler:
         if err.pending is not None and self.outbox is not None:
             self.outbox.put(err.pending)
 
-    async def state_change(self, change, ctx: RequestContext) -> None:
+    async def state_change(self, change: Awaitable[object], ctx: RequestContext) -> None:
         try:
             await change
         except StateUnavailable as e:
@@ -226,12 +228,12 @@ class Settler:
         behind until its expiry. (A call that completes without suspending, in-memory state's, cannot be left.)"""
         task = self.background.start(call)
         if isinstance(task, Done):
-            return task.value
+            return cast(T, task.value)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
 
-            def undo(t: asyncio.Task) -> None:
+            def undo(t: asyncio.Task[T]) -> None:
                 if t.cancelled():
                     return
                 if isinstance(exc := t.exception(), StateUnavailable):
@@ -243,7 +245,7 @@ class Settler:
             raise
 
     @staticmethod
-    def _guard(step, *args) -> None:
+    def _guard(step: Callable[..., object], *args: object) -> None:
         try:
             step(*args)
         except Exception:  # noqa: BLE001 - one failed step must not skip the others
@@ -263,7 +265,7 @@ class Settler:
             details = usage.get("prompt_tokens_details") or {}
             cached = usage.get("cached_tokens") or (details.get("cached_tokens") if isinstance(details, dict) else 0)
             if (drafts := usage.get("completion_tokens_details")) and isinstance(drafts, dict):
-                _note_drafts(ctx, drafts)
+                ctx.note_drafts(drafts)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
         if ctx.hop is None or ctx.dispatched_at is None:  # no hop served it: only what failed hops' engines made
             ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
@@ -291,7 +293,7 @@ class Settler:
         ts: float | None = None,
         cost: int | None = None,
         chunks: ChunkFilter | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """The request's event, for the caller to write (EventWriter.commit or .emit); its metrics are observed."""
         e2e = now - ctx.t0
         tpot = None
@@ -426,10 +428,3 @@ _TRANSFER_FIELDS = {
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
-
-
-def _note_drafts(ctx: RequestContext, details: dict) -> None:
-    """The upstream's speculative decoding for this request, from OpenAI's prediction-token counts, if well formed."""
-    accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
-    if type(accepted) is int and type(rejected) is int and accepted >= 0 and rejected >= 0:
-        ctx.draft_tokens, ctx.accepted_draft_tokens = accepted + rejected, accepted

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
@@ -47,12 +48,12 @@ class Mirror:
     model: str  # the primary's pool
     shadow: Pool  # its shadow pool, in the routing table the request was admitted under
     kind: InferenceKind
-    body: dict  # the client's body as admission bounded it, without its stream fields, with its cache salt
+    body: dict[str, Any]  # the client's body as admission bounded it, without its stream fields, with its cache salt
     choices: int  # sequences the upstream generates per request: prompts x max(n, best_of)
     total_s: float  # the mirror's time limit: the primary pool's (a mirror has no team)
 
 
-def mirror_body(body: dict, per_choice: int, engine: bool) -> dict:
+def mirror_body(body: dict[str, Any], per_choice: int, engine: bool) -> dict[str, Any]:
     """The body a mirror sends: at most `per_choice` output tokens per choice, in the batch band. An external member
     is sent `priority` only if the client sent one (an OpenAI server may refuse a field it does not know)."""
     out = dict(body)

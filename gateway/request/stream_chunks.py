@@ -5,6 +5,9 @@ text an answer generated (`choice_text`, `generated_text`), which settle counts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import orjson
 
 
@@ -26,25 +29,26 @@ class ChunkFilter:
         client_usage: bool,
         client_continuous: bool,
         keep_text: bool,
-        clock,
+        clock: Callable[[], float],
         per_choice: int | None = None,
         choices: int = 1,
     ) -> None:
         self.client_usage, self.client_continuous = client_usage, client_continuous
         self.keep_text, self.clock = keep_text, clock
-        self.usage: dict | None = None
-        self.kv_transfer: dict | None = None  # a disaggregated decode hop's account of its KV fetch (the usage chunk's)
+        self.usage: dict[str, Any] | None = None
+        # a disaggregated decode hop's account of its KV fetch (the usage chunk's)
+        self.kv_transfer: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.text: list[str] = []
         self.done = False
-        self.error: dict | None = None
+        self.error: dict[str, Any] | None = None
         self.per_choice, self.choices = per_choice, max(choices, 1)
         self.relayed: dict[int, int] = {}  # content deltas forwarded, per choice index
         self.ended: set[int] = set()  # choices that have their finish_reason (the upstream's, or "length" of a cut)
         self.cut: set[int] = set()  # choices ended here because the upstream went past their bound
-        self.frame: dict = {}  # id, object, created, model of the stream's chunks: for the ones written here
+        self.frame: dict[str, Any] = {}  # id, object, created, model of the stream's chunks: for the ones written here
         self._rewritten = False
 
     def process(self, data: bytes) -> bytes | None:
@@ -107,7 +111,9 @@ class ChunkFilter:
             return b"data: " + orjson.dumps(obj) + b"\n\n"
         return b"data: " + data + b"\n\n"
 
-    def _held(self, obj: dict, choice: dict, piece: str | None) -> tuple[dict | None, str | None]:
+    def _held(
+        self, obj: dict[str, Any], choice: dict[str, Any], piece: str | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
         """One choice of a chunk against its bound: as it came, its end in its place (the first delta past the
         bound), or None (output for a choice already cut)."""
         assert self.per_choice is not None  # process holds choices to a bound only when there is one
@@ -128,7 +134,7 @@ class ChunkFilter:
         return choice, piece
 
     @staticmethod
-    def _end_of(index: int, chat: bool) -> dict:
+    def _end_of(index: int, chat: bool) -> dict[str, Any]:
         if chat:
             return {"index": index, "delta": {}, "finish_reason": "length"}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
@@ -142,7 +148,7 @@ class ChunkFilter:
         assert self.per_choice is not None  # a choice is cut only at a bound
         return len(self.ended) >= self.choices or sum(self.relayed.values()) >= self.per_choice * self.choices
 
-    def ending(self, usage: dict | None) -> bytes:
+    def ending(self, usage: dict[str, Any] | None) -> bytes:
         """The last events of a stream cut at its bound: the end of each choice not yet ended, the usage chunk
         (`usage`, when the client asked for it), then [DONE]."""
         chat = self.frame.get("object") != "text_completion"
@@ -155,7 +161,7 @@ class ChunkFilter:
         return out + b"data: [DONE]\n\n"
 
 
-def choice_text(message: dict) -> str | None:
+def choice_text(message: dict[str, Any]) -> str | None:
     """What a chat message or stream delta generated, as text to count: its content and its tool calls' names and
     arguments (a delta carries pieces of them)."""
     content = message.get("content")
@@ -170,7 +176,7 @@ def choice_text(message: dict) -> str | None:
     return "".join(pieces) or None
 
 
-def generated_text(answer: dict) -> str:
+def generated_text(answer: dict[str, Any]) -> str:
     """The text of every choice of a non-stream answer (chat messages or completion texts), to count when the
     upstream reported no usage."""
     pieces = []

@@ -1,6 +1,7 @@
-"""The unit tests that need an extra (the engine's torch, the tracing SDK, ruff) are left out where it is not installed, so
-the gateway's, the policies' and common's unit tests run on the core install (`pip install tokenweir` plus pytest and
-pytest-asyncio: the fast loop). Never under CI=true: there every extra is installed, and a missing one must fail."""
+"""The unit tests that need an extra (the engine's torch, the tracing SDK, ruff) are left out where it is not
+installed, so the gateway's, the policies' and common's unit tests run on the core install (`pip install tokenweir`
+plus pytest and pytest-asyncio: the fast loop). Never under CI=true: there every extra is installed, and a missing
+one must fail."""
 
 import importlib.util
 import os

@@ -29,7 +29,7 @@ LONG_FILES: dict[str, int] = {
     "engine/core/llm_engine.py": 454,
     "gateway/config.py": 729,
     "gateway/request/dispatch.py": 479,
-    "gateway/request/settle.py": 435,
+    "gateway/request/settle.py": 430,
     "gateway/state/redis.py": 418,
     "gateway/upstream/pools.py": 544,
 }
