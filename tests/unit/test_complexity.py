@@ -43,7 +43,6 @@ COMPLEX_FUNCTIONS: dict[str, int] = {
     "gateway/app.py:create_app.lifespan:PLR0912": 13,
     "gateway/app.py:create_app.lifespan:PLR0915": 74,
     "gateway/app.py:create_app:PLR0915": 94,
-    "gateway/config.py:PoolConfig.__post_init__:PLR0912": 14,
     "gateway/process/cli.py:main:PLR0912": 13,
     "gateway/process/supervisor.py:Supervisor.__init__:PLR0913": 9,
     "gateway/request/admission.py:Admission.__init__:PLR0913": 11,

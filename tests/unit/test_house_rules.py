@@ -27,7 +27,6 @@ MAX_CLASS_LINES = 300
 LONG_FILES: dict[str, int] = {
     "common/http/door.py": 410,
     "engine/core/llm_engine.py": 454,
-    "gateway/config.py": 729,
     "gateway/request/dispatch.py": 479,
     "gateway/request/settle.py": 430,
     "gateway/state/redis.py": 418,
@@ -198,7 +197,7 @@ def cycle_problems(root: Path, allowed: set[frozenset[str]]) -> list[str]:
 
 
 def test_product_files_and_classes_stay_within_the_size_limits() -> None:
-    assert any(rel == "gateway/config.py" for rel, _ in product_files(ROOT)), f"no product files under {ROOT}"
+    assert any(rel == "gateway/config/__init__.py" for rel, _ in product_files(ROOT)), f"no product files under {ROOT}"
     problems = size_problems(ROOT, LONG_FILES, LONG_CLASSES)
     assert not problems, "\n".join(problems)
 
