@@ -50,7 +50,7 @@ class SpeculativeConfig:
     a sequence whose drafts keep failing (its acceptance below `min_acceptance` over its last `acceptance_window`
     proposed tokens; it tries again `retry_after` tokens later). With `cost_aware` (the default) each step keeps only
     the drafts whose expected accepted tokens pay for their verification rows at the step cost measured on this
-    device (engine/spec/draft_budget.py); false checks every draft (to measure the lever's raw effect).
+    device (engine/spec_decode/draft_budget.py); false checks every draft (to measure the lever's raw effect).
 
     Method "draft_model" (vLLM infers it from a `model` key): a smaller model with the target's tokenizer, at `model`
     (a .gguf file or a HF directory), proposes the drafts greedily from a KV cache of its own (as many blocks as the

@@ -12,7 +12,7 @@ machine's speed falls on every row alike. Rows: our engine (`auto`) without and 
 (one row per -k), llama-server without and with `--spec-type ngram-simple` (built once, see
 loadtests/llama_server.py), the same GGUF, the same threads; and ours checking every draft (`"cost_aware": false`),
 the lever without the draft budget that keeps only the drafts that pay for their rows on this device
-(engine/spec/draft_budget.py).
+(engine/spec_decode/draft_budget.py).
 The table gives each row's speed and its ratio to our plain decoding on the same workload; the targets: copying
 >= 1.5x and >= llama-server's speculative speed, open >= 1.0x (the switch keeps a lever that does not pay off).
 """

@@ -305,8 +305,9 @@ class AsyncEngine:
                     if out.finished:
                         self._remember(out)
                 self.metrics.observe_step(self.engine.last_stats, time.monotonic())
-                self._event_loop.call_soon_threadsafe(self._deliver, outputs)
+                # stats first: whoever reads /metrics after getting an answer sees the step that made it
                 self._publish_stats()
+                self._event_loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # a dead loop must fail every waiter, not hang them
             log.exception("engine step loop died")
             self._event_loop.call_soon_threadsafe(self._fail_all, exc)

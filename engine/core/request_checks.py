@@ -1,13 +1,15 @@
-"""The one check of a request against an engine's limits (`check_request`), made at the edge (LLMEngine.validate:
-AsyncEngine.add_request, LLM.generate) so a request that can never run is a 400 before a stream's first byte, and
-add_request only asserts."""
+"""The one check of a request against an engine's limits (`check_request`; `check_kv_transfer` for its hop of a
+disaggregated prefill), made at the edge (LLMEngine.validate: AsyncEngine.add_request, LLM.generate) so a request that
+can never run is a 400 before a stream's first byte, and add_request only asserts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tokenweir.engine.config import KVTransferConfig
 from tokenweir.engine.core.errors import RequestError
+from tokenweir.engine.kv_transfer.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
 from tokenweir.engine.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # structured.py pulls in llguidance: only a request with a response_format needs it
@@ -48,3 +50,29 @@ def check_request(
             code="context_length_exceeded",
             param="messages",
         )
+
+
+def check_kv_transfer(params: dict[str, Any] | None, config: KVTransferConfig | None) -> None:
+    """Raise RequestError unless a request's `kv_transfer_params` name a hop that this engine's `config` takes."""
+    if not params:
+        return
+    hop = "prefill" if wants_remote_decode(params) else "decode" if wants_remote_prefill(params) else None
+    if hop is None:
+        raise RequestError(
+            'kv_transfer_params: {"do_remote_decode": true} for a prefill hop, or a prefill hop\'s answer',
+            code="invalid_kv_transfer_params",
+            param="kv_transfer_params",
+        )
+    role_ok = config is not None and (config.is_producer if hop == "prefill" else config.is_consumer)
+    if not role_ok:
+        raise RequestError(
+            f"this engine takes no {hop} hops: its --kv-transfer-config is "
+            f"{config.kv_role if config is not None else 'unset'}",
+            code="kv_transfer_unsupported",
+            param="kv_transfer_params",
+        )
+    if hop == "decode":
+        try:
+            RemotePrefill.parse(params)
+        except ValueError as exc:
+            raise RequestError(str(exc), code="invalid_kv_transfer_params", param="kv_transfer_params") from None

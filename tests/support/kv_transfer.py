@@ -95,7 +95,9 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list
 def prefill_hops(producer: LLM, prompts: list[str]) -> list[dict]:
     run(producer, prompts, [greedy(1, kv_transfer_params=PREFILL_HOP)] * len(prompts))
     answers = [out.kv_transfer_params for out in run.finals]  # type: ignore[attr-defined]
-    assert all(a and a["do_remote_prefill"] and a["remote_port"] == producer.engine.kv_server.port for a in answers)
+    assert all(
+        a and a["do_remote_prefill"] and a["remote_port"] == producer.engine.kv_transfer.server.port for a in answers
+    )
     return answers
 
 

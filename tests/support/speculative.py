@@ -10,7 +10,7 @@ from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.core.metrics import EngineMetrics
 from tokenweir.engine.llm import LLM
 from tokenweir.engine.sched.sampling_params import SamplingParams
-from tokenweir.engine.spec.draft_model_proposer import DraftModelProposer
+from tokenweir.engine.spec_decode.draft_model_proposer import DraftModelProposer
 
 SPEC = SpeculativeConfig(
     num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None, cost_aware=False
@@ -87,9 +87,10 @@ def metric(llm: LLM, name: str) -> float:
 def all_blocks_free(llm: LLM) -> bool:
     """Every KV block back in the pool, the draft model's too."""
     pools = [llm.engine.block_manager]
-    if isinstance(llm.engine.proposer, DraftModelProposer):
-        llm.engine.proposer.release_finished()
-        pools.append(llm.engine.proposer.block_manager)
+    proposer = llm.engine.speculator.proposer if llm.engine.speculator is not None else None
+    if isinstance(proposer, DraftModelProposer):
+        proposer.release_finished()
+        pools.append(proposer.block_manager)
     full = all(bm.num_free_blocks == bm.num_blocks for bm in pools)
     return full and not llm.engine.has_unfinished_requests()
 

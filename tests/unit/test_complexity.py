@@ -26,7 +26,6 @@ RULES = ("C901", "PLR0912", "PLR0913", "PLR0915")
 COMPLEX_FUNCTIONS: dict[str, int] = {
     "common/text/tokenizer.py:Tokenizer.__init__:PLR0913": 11,
     "engine/api/streaming.py:stream_response:PLR0913": 9,
-    "engine/core/llm_engine.py:LLMEngine.step:PLR0912": 13,
     "engine/model/llama.py:LlamaForCausalLM.__init__:PLR0913": 10,
     "engine/model/precision.py:resolve:PLR0912": 14,
     "engine/sched/sampling_params.py:SamplingParams.__post_init__:C901": 16,

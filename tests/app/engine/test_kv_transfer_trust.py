@@ -109,13 +109,13 @@ def transfer_to(port: int, key: str | None, signed_at: float | None = None) -> d
 
 
 def assert_refused_and_computed(llm: LLM, fresh: LLM, tokens: list[int], params: dict, listener: Listener) -> None:
-    fetched_bytes, fetches = llm.engine.kv_fetched_bytes, llm.engine.kv_fetches
+    fetched_bytes, fetches = llm.engine.kv_transfer.fetched_bytes, llm.engine.kv_transfer.num_fetches
     out = generate(llm, tokens, params)
     assert listener.accepted == 0
     assert out.new_token_ids == generate(fresh, tokens).new_token_ids
     answer = out.kv_transfer_params
     assert (answer["fetch_error"], answer["fetched_tokens"], answer["fetched_bytes"]) == ("untrusted_producer", 0, 0)
-    assert llm.engine.kv_fetched_bytes == fetched_bytes and llm.engine.kv_fetches == fetches + 1
+    assert llm.engine.kv_transfer.fetched_bytes == fetched_bytes and llm.engine.kv_transfer.num_fetches == fetches + 1
     pool = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
 
@@ -138,7 +138,7 @@ def test_a_consumer_whose_cache_holds_the_prompt_does_not_call_an_untrusted_prod
     with caplog.at_level(logging.WARNING, logger="tokenweir.engine"):
         generate(consumer, tokens, transfer_to(listener.port, None))
         deadline = time.monotonic() + 5
-        while consumer.engine.kv_fetcher.in_flight and time.monotonic() < deadline:
+        while consumer.engine.kv_transfer.fetcher.in_flight and time.monotonic() < deadline:
             consumer.engine.collect_transfers()
             time.sleep(0.01)
     assert any("not told to free" in r.getMessage() and "not signed" in r.getMessage() for r in caplog.records)
@@ -148,14 +148,16 @@ def test_a_consumer_whose_cache_holds_the_prompt_does_not_call_an_untrusted_prod
 def test_a_consumer_with_no_key_refuses_even_a_well_formed_transfer(model_dir, producer, fresh, listener):
     keyless = engine(model_dir, "kv_consumer")
     assert_refused_and_computed(keyless, fresh, prompt(5), transfer_to(listener.port, KV_KEY), listener)
-    tokens, served = prompt(6), producer.engine.kv_server.transfers_served
+    tokens, served = prompt(6), producer.engine.kv_transfer.server.transfers_served
     answer = prefill_hop(producer, tokens)
-    pinned = len(producer.engine.kv_pins)
+    pinned = len(producer.engine.kv_transfer.pins)
     assert_refused_and_computed(keyless, fresh, tokens, answer, listener)
     time.sleep(0.1)
     producer.engine.collect_transfers()
-    assert producer.engine.kv_server.transfers_served == served and len(producer.engine.kv_pins) == pinned  # unasked
-    producer.engine.kv_pins.collect(producer.engine.block_manager.free, now=time.monotonic() + 3600)
+    # unasked
+    assert producer.engine.kv_transfer.server.transfers_served == served
+    assert len(producer.engine.kv_transfer.pins) == pinned
+    producer.engine.kv_transfer.pins.collect(producer.engine.block_manager.free, now=time.monotonic() + 3600)
     keyless.engine.close()
 
 
@@ -170,7 +172,7 @@ def test_a_signed_transfer_from_the_producer_is_fetched(producer, consumer, fres
 
 def test_a_listed_producer_is_fetched_from_unsigned_and_no_other(model_dir, fresh, listener):
     unsigned_producer = engine(model_dir, "kv_producer")
-    address = f"127.0.0.1:{unsigned_producer.engine.kv_server.port}"
+    address = f"127.0.0.1:{unsigned_producer.engine.kv_transfer.server.port}"
     lister = engine(model_dir, "kv_consumer", kv_producers=(address,))
     tokens = prompt(8)
     answer = prefill_hop(unsigned_producer, tokens)

@@ -47,7 +47,7 @@ async def test_prefill_hop_then_decode_hop_stream_one_engines_tokens(model_dir):
         events = [e for e in sse_events(r.text) if e != "[DONE]"]
         assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == expected
         assert events[-1]["usage"]["prompt_tokens"] == len(PROMPT)
-        block_bytes = consumer.engine.engine.kv_layout.block_bytes
+        block_bytes = consumer.engine.engine.kv_transfer.layout.block_bytes
         fetched = events[-1]["kv_transfer_params"]  # the usage chunk says what the hop fetched, for the router
         assert fetched["remote_engine_id"] == answer["remote_engine_id"] and fetched["fetch_error"] is None
         assert (fetched["fetched_tokens"], fetched["fetched_bytes"]) == (len(PROMPT) - 1, 5 * block_bytes)

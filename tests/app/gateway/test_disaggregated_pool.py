@@ -126,7 +126,7 @@ def complete(stack, model: str, stream: bool) -> tuple[list[int], dict, str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_two_hops_give_one_engines_tokens_billed_once_with_one_event(stack, stream):
     expected = greedy_reference(stack["model"], PROMPT, 20)
-    fetched = stack["consumer"].kv_fetches
+    fetched = stack["consumer"].kv_transfer.num_fetches
     tokens, usage, request_id = complete(stack, "tiny", stream)
     assert tokens == expected
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 20)
@@ -137,23 +137,26 @@ def test_two_hops_give_one_engines_tokens_billed_once_with_one_event(stack, stre
     # the decode member fetched what its own prefix cache did not hold (all but the last prompt token: computed there)
     assert event["kv_fetched_tokens"] + event["cached_tokens"] == len(PROMPT) - 1
     assert event["kv_fetched_bytes"] > 0 and event["kv_fetch_ms"] > 0
-    assert stack["consumer"].kv_fetches == fetched + 1 and stack["consumer"].kv_fetch_failures == 0
+    assert (
+        stack["consumer"].kv_transfer.num_fetches == fetched + 1
+        and stack["consumer"].kv_transfer.num_fetch_failures == 0
+    )
     deadline = time.monotonic() + 5
-    while len(stack["producer"].kv_pins) and time.monotonic() < deadline:  # freed once the fetch is confirmed
+    while len(stack["producer"].kv_transfer.pins) and time.monotonic() < deadline:  # freed once the fetch is confirmed
         time.sleep(0.02)
-    assert len(stack["producer"].kv_pins) == 0
+    assert len(stack["producer"].kv_transfer.pins) == 0
 
 
 def test_a_prefill_member_out_of_reach_leaves_the_prompt_to_the_decode_member(stack):
     expected = greedy_reference(stack["model"], PROMPT, 20)
-    fetched = stack["consumer"].kv_fetches
+    fetched = stack["consumer"].kv_transfer.num_fetches
     tokens, usage, request_id = complete(stack, "tiny-gone", stream=True)
     assert tokens == expected and usage["completion_tokens"] == 20
     event = the_event(stack["events"], request_id)
     assert event["status"] == "ok" and event["instance"] == "tiny-gone@decode"
     assert event["prefill_instance"] is None and "prefill tiny-gone@prefill" in event["upstream_error"]
     assert event["kv_fetched_bytes"] is None
-    assert stack["consumer"].kv_fetches == fetched  # nothing to fetch: it computed the prompt
+    assert stack["consumer"].kv_transfer.num_fetches == fetched  # nothing to fetch: it computed the prompt
 
 
 def test_a_hung_prefill_member_spends_a_streams_ttft_budget_which_covers_both_hops(stack):
@@ -191,7 +194,7 @@ def test_with_no_decode_member_the_prefill_member_answers_and_lets_its_pin_go(st
     assert (event["status"], event["completion_tokens"]) == ("ok", 20)
     assert (event["instance"], event["prefill_instance"]) == ("tiny-no-decode@prefill", "tiny-no-decode@prefill")
     assert event["route"] == ["tiny-no-decode@decode", "tiny-no-decode@prefill"] and event["kv_fetched_bytes"] is None
-    pins = stack["producer"].kv_pins
+    pins = stack["producer"].kv_transfer.pins
     deadline = time.monotonic() + 3  # released by the gateway's abort, not the pin's 30 s timeout
     while len(pins) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -79,7 +79,7 @@ def test_greedy_tokens_are_the_same_alone_batched_after_a_prefix_hit_and_across_
     prompts = [f"[split] {p}" for p in PROMPTS]  # new to the consumer: its decode hops fetch the producer's KV
     batched = run(producer, prompts, [greedy()] * len(prompts))
     answers = prefill_hops(producer, prompts)
-    fetched = consumer.engine.kv_fetched_bytes
+    fetched = consumer.engine.kv_transfer.fetched_bytes
     split = run(consumer, prompts, [decode_hop(greedy(), a) for a in answers])
     assert split == batched
-    assert consumer.engine.kv_fetched_bytes > fetched and consumer.engine.kv_fetch_failures == 0
+    assert consumer.engine.kv_transfer.fetched_bytes > fetched and consumer.engine.kv_transfer.num_fetch_failures == 0

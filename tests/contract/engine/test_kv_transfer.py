@@ -57,27 +57,29 @@ def assert_pools_whole(*llms: LLM) -> None:
     for llm in llms:
         eng = llm.engine
         deadline = time.monotonic() + 5
+        transfer = eng.kv_transfer
+        pins = transfer.pins if transfer is not None else None
         eng.collect_transfers()
-        while eng.kv_pins is not None and len(eng.kv_pins) and time.monotonic() < deadline:
+        while pins is not None and len(pins) and time.monotonic() < deadline:
             time.sleep(0.01)
             eng.collect_transfers()
         assert not eng.has_unfinished_requests()
-        assert eng.kv_pins is None or len(eng.kv_pins) == 0
-        assert not eng._fetches and not eng._remote
+        assert pins is None or len(pins) == 0
+        assert transfer is None or (not transfer.fetches and not transfer.remote)
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
 def test_decode_hops_give_one_engines_tokens_for_32_prompts(producer, consumer):
     expected = run(producer, PROMPTS, [greedy()] * len(PROMPTS))
     answers = prefill_hops(producer, PROMPTS)  # A computes from its prefix cache: every prompt was just run there
-    assert producer.engine.kv_pins.num_blocks > 0
-    fetched_before = consumer.engine.kv_fetched_bytes
+    assert producer.engine.kv_transfer.pins.num_blocks > 0
+    fetched_before = consumer.engine.kv_transfer.fetched_bytes
     got = run(consumer, PROMPTS, [decode_hop(greedy(), a) for a in answers])
     assert got == expected
-    assert consumer.engine.kv_fetch_failures == 0
-    layout = consumer.engine.kv_layout
+    assert consumer.engine.kv_transfer.num_fetch_failures == 0
+    layout = consumer.engine.kv_transfer.layout
     num_remote = sum(-(-(len(consumer.engine.tokenizer.encode(p)) - 1) // layout.block_size) for p in PROMPTS)
-    assert consumer.engine.kv_fetched_bytes - fetched_before == num_remote * layout.block_bytes
+    assert consumer.engine.kv_transfer.fetched_bytes - fetched_before == num_remote * layout.block_bytes
     assert_pools_whole(producer, consumer)
 
 
@@ -98,7 +100,7 @@ def test_n_choices_and_structured_outputs_through_both_hops(producer, consumer):
     assert all(len(choices) == 3 and len({tuple(c) for c in choices}) > 1 for choices in got[:4])
     text = consumer.engine.tokenizer.decode(got[4][0])
     jsonschema.validate(json.loads(text), schema)
-    assert consumer.engine.kv_fetch_failures == 0
+    assert consumer.engine.kv_transfer.num_fetch_failures == 0
     assert_pools_whole(producer, consumer)
 
 
@@ -109,24 +111,24 @@ def fresh(prompts: list[str], tag: str) -> list[str]:
 
 def recomputed(consumer: LLM, prompts: list[str], answers: list[dict]) -> list[list[list[int]]]:
     """Decode hops whose fetch is expected to fail: each must be counted, and computed here instead."""
-    failures = consumer.engine.kv_fetch_failures
+    failures = consumer.engine.kv_transfer.num_fetch_failures
     got = run(consumer, prompts, [decode_hop(greedy(), a) for a in answers])
-    assert consumer.engine.kv_fetch_failures - failures == len(prompts)
+    assert consumer.engine.kv_transfer.num_fetch_failures - failures == len(prompts)
     return got
 
 
 def test_expired_pins_are_freed_and_the_consumer_computes_the_prompt(producer, consumer):
     prompts = fresh(PROMPTS[4:7], "expired")
     expected = run(producer, prompts, [greedy()] * 3)
-    producer.engine.kv_pins.timeout_s = 0.05
+    producer.engine.kv_transfer.pins.timeout_s = 0.05
     try:
         answers = prefill_hops(producer, prompts)
     finally:
-        producer.engine.kv_pins.timeout_s = KVTransferConfig().pin_timeout_s
+        producer.engine.kv_transfer.pins.timeout_s = KVTransferConfig().pin_timeout_s
     time.sleep(0.1)
-    expired = producer.engine.kv_pins.num_expired
+    expired = producer.engine.kv_transfer.pins.num_expired
     assert_pools_whole(producer)
-    assert producer.engine.kv_pins.num_expired - expired == 3
+    assert producer.engine.kv_transfer.pins.num_expired - expired == 3
     assert recomputed(consumer, prompts, answers) == expected
     assert_pools_whole(producer, consumer)
 
@@ -138,21 +140,21 @@ def test_a_prompt_or_a_layout_that_differs_is_refused_and_the_pin_stays_for_the_
     answers = prefill_hops(producer, prompts)
     swapped = recomputed(consumer, prompts, answers[::-1])  # each decode hop names the other prompt's transfer
     assert swapped == expected
-    fetcher = consumer.engine.kv_fetcher
+    fetcher = consumer.engine.kv_transfer.fetcher
     layout = fetcher.layout
     fetcher.layout = replace(layout, model_digest="0" * 16)
     try:
         assert recomputed(consumer, prompts, answers) == expected
     finally:
         fetcher.layout = layout
-    assert len(producer.engine.kv_pins) == 2  # refused fetches leave the pins
+    assert len(producer.engine.kv_transfer.pins) == 2  # refused fetches leave the pins
     assert run(consumer, prompts, [decode_hop(greedy(), a) for a in answers]) == expected
     assert_pools_whole(producer, consumer)
 
 
 def expire_pins(producer: LLM) -> None:
-    later = time.monotonic() + producer.engine.kv_pins.timeout_s + 1
-    producer.engine.kv_pins.collect(producer.engine.block_manager.free, now=later)
+    later = time.monotonic() + producer.engine.kv_transfer.pins.timeout_s + 1
+    producer.engine.kv_transfer.pins.collect(producer.engine.block_manager.free, now=later)
 
 
 def closed_port() -> int:
@@ -190,7 +192,7 @@ def test_a_producer_gone_or_hung_times_out_and_the_consumer_computes_the_prompt(
     gone = [redirected(a, closed_port()) for a in answers]
     assert recomputed(consumer, prompts, gone) == expected
     silent = SilentProducer()
-    fetcher = consumer.engine.kv_fetcher
+    fetcher = consumer.engine.kv_transfer.fetcher
     fetcher.timeout_s = 0.5
     try:
         start = time.monotonic()
@@ -245,14 +247,15 @@ def test_a_producer_cut_off_mid_transfer_leaves_the_prompt_to_the_consumer(produ
     prompts = fresh(PROMPTS[4:5], "cut")  # ~600 tokens: ~37 blocks
     expected = run(producer, prompts, [greedy()])
     answers = prefill_hops(producer, prompts)
-    block_bytes = consumer.engine.kv_layout.block_bytes
+    block_bytes = consumer.engine.kv_transfer.layout.block_bytes
     limit = 9 * block_bytes + block_bytes // 2  # the header line, 9 blocks, part of the 10th
     cut = CutProducer(answers[0]["remote_port"], limit)
     try:
-        received = consumer.engine.kv_fetched_bytes
+        received = consumer.engine.kv_transfer.fetched_bytes
         assert recomputed(consumer, prompts, [redirected(answers[0], cut.port)]) == expected
         assert cut.relayed == [limit]
-        assert consumer.engine.kv_fetched_bytes - received == 8 * block_bytes  # one group of 8 written, then the cut
+        # one group of 8 written, then the cut
+        assert consumer.engine.kv_transfer.fetched_bytes - received == 8 * block_bytes
     finally:
         cut.close()
     expire_pins(producer)  # the producer never heard the consumer's confirmation
@@ -264,7 +267,7 @@ def test_a_request_aborted_mid_fetch_gives_its_blocks_back_once_the_fetch_stops(
     answers = prefill_hops(producer, [prompt])
     silent = SilentProducer()
     eng = consumer.engine
-    eng.kv_fetcher.timeout_s = 0.5
+    eng.kv_transfer.fetcher.timeout_s = 0.5
     try:
         params = decode_hop(greedy(), redirected(answers[0], silent.port))
         tokens = eng.tokenizer.encode(prompt)
@@ -278,7 +281,7 @@ def test_a_request_aborted_mid_fetch_gives_its_blocks_back_once_the_fetch_stops(
         while eng.has_unfinished_requests():
             eng.step()
     finally:
-        eng.kv_fetcher.timeout_s = 5.0
+        eng.kv_transfer.fetcher.timeout_s = 5.0
         silent.close()
     expire_pins(producer)  # the pins nobody fetched
     assert_pools_whole(producer, consumer)
@@ -306,10 +309,10 @@ def test_prompt_logprobs_are_computed_by_the_consumer_and_the_pin_let_go(produce
     run(producer, prompts, [params])
     [expected] = run.finals  # type: ignore[attr-defined]
     answers = prefill_hops(producer, prompts)
-    fetches = consumer.engine.kv_fetches
+    fetches = consumer.engine.kv_transfer.num_fetches
     run(consumer, prompts, [decode_hop(params, answers[0])])
     [got] = run.finals  # type: ignore[attr-defined]
     assert [p and p.token_id for p in got.prompt_logprobs] == [p and p.token_id for p in expected.prompt_logprobs]
     assert len(got.prompt_logprobs) == len(consumer.engine.tokenizer.encode(prompts[0]))
-    assert consumer.engine.kv_fetches == fetches  # every prompt position computed here
+    assert consumer.engine.kv_transfer.num_fetches == fetches  # every prompt position computed here
     assert_pools_whole(producer, consumer)  # the producer's pin freed by the consumer's release, not by its timeout

@@ -11,8 +11,8 @@ from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.block_manager import BlockManager
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.spec.ngram_cache import NgramCache
-from tokenweir.engine.spec.ngram_proposer import NgramProposer
+from tokenweir.engine.spec_decode.ngram_cache import NgramCache
+from tokenweir.engine.spec_decode.ngram_proposer import NgramProposer
 
 PROMPT = list(range(100, 150))  # 3 full blocks of 16, then 2 tokens
 

@@ -1,12 +1,12 @@
-"""The draft budget (engine/spec/draft_budget.py) against its definition, on step timings given to it: the step cost
-it fits, the drafts it keeps where rows are free, cheap or dear, and how a held-back draft is scored against the token
-the step emits, so a sequence takes its drafts back once its output copies again."""
+"""The draft budget (engine/spec_decode/draft_budget.py) against its definition, on step timings given to it: the step
+cost it fits, the drafts it keeps where rows are free, cheap or dear, and how a held-back draft is scored against the
+token the step emits, so a sequence takes its drafts back once its output copies again."""
 
 import pytest
 
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.spec.draft_budget import DraftBudget
+from tokenweir.engine.spec_decode.draft_budget import DraftBudget
 
 
 def seq(name: str) -> Sequence:

@@ -1,4 +1,4 @@
-"""Prompt lookup (engine/spec/ngram_proposer.py) against a plain Python search written from its definition: the
+"""Prompt lookup (engine/spec_decode/ngram_proposer.py) against a plain Python search written from its definition: the
 longest n in [min, max] whose last-n tokens occur earlier, the latest such occurrence, up to k tokens after it; and
 its pause for a sequence whose drafts keep failing."""
 
@@ -7,8 +7,8 @@ import random
 from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.spec.ngram_cache import NgramCache
-from tokenweir.engine.spec.ngram_proposer import NgramProposer
+from tokenweir.engine.spec_decode.ngram_cache import NgramCache
+from tokenweir.engine.spec_decode.ngram_proposer import NgramProposer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

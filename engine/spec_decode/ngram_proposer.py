@@ -3,7 +3,8 @@ occurrence of its last n tokens, for the longest n in [prompt_lookup_min, prompt
 compute, and right often where the output copies from the prompt or from itself (code edits, quoting, extraction).
 
 Each sequence's tokens are kept as packed 32-bit integers, extended as it grows, so a lookup is one `bytes.rfind` in
-C rather than a Python loop over the context. A sequence whose drafts keep failing pauses (engine/spec/acceptance.py).
+C rather than a Python loop over the context. A sequence whose drafts keep failing pauses
+(engine/spec_decode/acceptance.py).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import weakref
 
 from tokenweir.engine.config import SpeculativeConfig
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.spec.acceptance import AcceptanceGate
-from tokenweir.engine.spec.ngram_cache import NgramCache
+from tokenweir.engine.spec_decode.acceptance import AcceptanceGate
+from tokenweir.engine.spec_decode.ngram_cache import NgramCache
 
 _WIDTH = 4  # bytes per packed token
 
 
 class NgramProposer:
     """Prompt lookup; with method "ngram_cache", where the sequence itself has no match, the n-gram cache learned
-    from finished requests' outputs of the same cache_salt (engine/spec/ngram_cache.py)."""
+    from finished requests' outputs of the same cache_salt (engine/spec_decode/ngram_cache.py)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.method in ("ngram", "ngram_cache")

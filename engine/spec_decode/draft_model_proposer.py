@@ -22,7 +22,7 @@ from tokenweir.engine.sched.block_manager import BlockManager
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.scheduler import SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence
-from tokenweir.engine.spec.acceptance import AcceptanceGate
+from tokenweir.engine.spec_decode.acceptance import AcceptanceGate
 from tokenweir.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("tokenweir.engine")
