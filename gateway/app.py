@@ -35,7 +35,6 @@ from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import GatewayConfig, config_digest
 from tokenweir.gateway.deps.services import Services, services_of
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
-from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.admission import Admission
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import open_scope, request_scope
@@ -53,6 +52,7 @@ from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
 from tokenweir.gateway.state.repair import StateWatch
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.discovery import Discovery
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.shared_index import SharedPrefixIndex
@@ -89,7 +89,7 @@ def create_app(
         st = store if store is not None else await asyncio.to_thread(Store.open, config.store_url)
         writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
         usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
-        client = relay.make_client(config.timeouts.connect_s)
+        client = calls.make_client(config.timeouts.connect_s)
         outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
         background = BackgroundTasks()
         routing = RoutingSync(

@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenweir.common.http.disconnect import wait_disconnect
+from tokenweir.common.http.disconnect import cancel_on_disconnect
 from tokenweir.common.http.errors import APIError
 from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
@@ -118,11 +118,7 @@ class Admission:
         end = RequestEnd(ctx, self.settler, self.background)  # the request's one end, whatever happens next
         request_scope(request).accounted = True  # so its event is the end's, not finish_unadmitted's
         # A client that leaves while we wait (queue, upstream) cancels this task: nothing keeps running for it.
-        task = asyncio.current_task()
-        assert task is not None  # the server runs this in a task
-        watching = True  # until the handler leaves: a stream's body watches for itself
-        watch = asyncio.ensure_future(wait_disconnect(request.receive))
-        watch.add_done_callback(lambda t: watching and not t.cancelled() and task.cancel())
+        watch = cancel_on_disconnect(request.receive)  # until the handler leaves: a stream's body watches for itself
         try:
             self.check_events()
             choose_variant(ctx, request.headers, principal.key.may_pick_variant)
@@ -138,20 +134,18 @@ class Admission:
             ctx.outcome.decide("rejected" if not ctx.route else "error", e.code, e.status)
             raise
         except asyncio.CancelledError:
-            ctx.incomplete = ctx.incomplete or ctx.hop is not None
-            if not (watch.done() and not watch.cancelled()):
+            ctx.upstream_may_run_on()
+            if not watch.client_left():
                 ctx.outcome.decide("cancelled", "shutdown", 503)
                 raise  # not the client leaving: the server is shutting down past its grace
-            task.uncancel()
             ctx.outcome.decide("cancelled", "client_disconnected", 499, disconnected=True)
             return Response(status_code=499)
         except Exception:
             ctx.outcome.decide("error", "internal_error", 500)
-            ctx.incomplete = ctx.incomplete or ctx.hop is not None
+            ctx.upstream_may_run_on()
             raise
         finally:
-            watching = False
-            watch.cancel()
+            watch.stop()
             await end.handler_exited()
 
     def check_events(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenweir.common.http.request_id import request_id_from
 from tokenweir.gateway.openai.endpoints import InferenceKind
+from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
@@ -147,11 +148,8 @@ class RequestContext(RequestRecord):
     slot: bool = False
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away
     ticket: Ticket | None = None
-    hop: Hop | None = None
-    member_lease: tuple[str, str] | None = None  # (member, lease id): the hop's slot under its max_parallel_requests
+    attempt: Attempt | None = None  # the last hop sent (gateway/request/attempt.py), live until released
     usage: dict[str, Any] | None = None
-    incomplete: bool = False  # the upstream may still be generating: abort it in finish
-    instance_ok: bool = True
     # tokens made by hops that failed before their first token (the engine told us on /abort): billed too
     spilled_prompt_tokens: int = 0
     spilled_completion_tokens: int = 0
@@ -166,8 +164,31 @@ class RequestContext(RequestRecord):
     context_fallback: str | None = None  # the pool of a longer context that serves a prompt too long for `model`'s
     kv_transfer_params: dict[str, Any] | None = None
     ttft_clock: float | None = None
-    prefill_pin: tuple[Hop, str] | None = None  # the prefill hop that holds the KV, and its upstream request id
+    prefill_pin: Attempt | None = None  # the prefill hop whose engine holds the KV (its /abort lets it go)
     routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
+
+    def start_attempt(self, attempt: Attempt) -> None:
+        """Dispatch sends `attempt`: what the event says of the last hop (its route, pool, model version, the
+        upstream's id for it and when it left) follows it."""
+        self.attempt = attempt
+        self.route.append(attempt.hop.label)
+        self.served_model, self.model_revision = attempt.hop.model, attempt.hop.instance.revision
+        self.upstream_id, self.dispatched_at = attempt.upstream_id, attempt.dispatched_at
+
+    def upstream_may_run_on(self) -> None:
+        """The request ended while its hop may still be generating (a client gone, a shutdown, a failure in the
+        gateway): its end aborts it there."""
+        if self.attempt is not None and self.attempt.live:
+            self.attempt.incomplete = True
+
+    def rate_headers(self) -> dict[str, str]:
+        """x-ratelimit-* as of the reservation, on successful responses too (as OpenAI sends them)."""
+        return dict(getattr(self.reservation, "headers", None) or {})
+
+    @property
+    def live_attempt(self) -> Attempt | None:
+        """The hop sent and not yet released, if any."""
+        return self.attempt if self.attempt is not None and self.attempt.live else None
 
     @property
     def pools(self) -> dict[str, Pool]:

@@ -56,9 +56,9 @@ class RequestEnd:
         ctx = self.ctx
         if disconnected:
             if ctx.outcome.decide("cancelled", "client_disconnected", 499, disconnected=True):
-                ctx.incomplete = True
+                ctx.upstream_may_run_on()
         elif shutdown and ctx.outcome.decide("cancelled", "shutdown", 503):
-            ctx.incomplete = True
+            ctx.upstream_may_run_on()
         await self._settle()
 
     async def drop_stream(self) -> None:

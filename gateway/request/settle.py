@@ -101,26 +101,26 @@ class Settler:
         self.events.emit(self.event(record, time.perf_counter(), 0, 0, 0))
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
-        if ctx.member_lease is not None:
-            member, lease_id = ctx.member_lease
-            ctx.member_lease = None
-            self.background.start(self.members.give_back(member, lease_id))
-        if ctx.hop is not None:
-            ctx.hop.done(ok, time.monotonic())
-            self.metrics.in_flight.labels(ctx.model).dec()
-            ctx.upstream_error = ctx.hop.error or ctx.upstream_error
-            ctx.hop = None
-            if ctx.trace is not None:  # the request's own outcome where it ended on this hop
-                ctx.trace.end_hop(ctx.outcome.status if ctx.outcome.decided else "ok" if ok else "failed")
+        """The request's live attempt is done with (once): its instance hears `ok`, its member slot goes back."""
+        attempt = ctx.live_attempt
+        if attempt is None:
+            return
+        lease = attempt.release(ok)
+        if lease is not None:
+            self.background.start(self.members.give_back(*lease))
+        self.metrics.in_flight.labels(ctx.model).dec()
+        ctx.upstream_error = attempt.hop.error or ctx.upstream_error
+        if ctx.trace is not None:  # the request's own outcome where it ended on this hop
+            ctx.trace.end_hop(ctx.outcome.status if ctx.outcome.decided else "ok" if ok else "failed")
 
     async def finish(self, ctx: RequestContext, stream: relay.HopStream | None) -> int:
         """The end of an admitted request (its RequestEnd's one call): `stream` is its last hop's upstream stream,
         if one is open or was relayed (what its chunks said is billed). Returns the output tokens billed."""
-        hop = ctx.hop
+        attempt = ctx.live_attempt
         try:
             # 1) Stop an upstream that may still be generating; our engine answers with the exact usage made.
-            if hop is not None and ctx.incomplete and hop.instance.cfg.engine:
-                answer = await relay.abort(self.client, hop, ctx.upstream_id)
+            if attempt is not None and attempt.incomplete and attempt.engine:
+                answer = await attempt.abort()
                 if answer and answer.get("usage"):
                     ctx.usage, ctx.usage_source = answer["usage"], "engine_abort"
                     ctx.kv_transfer = answer.get("kv_transfer_params") or ctx.kv_transfer
@@ -129,7 +129,7 @@ class Settler:
                     # (After a first token the engine did have it and has restarted since: billed as before.)
                     ctx.usage, ctx.usage_source = {"prompt_tokens": 0, "completion_tokens": 0}, "engine_abort"
             if stream is not None:  # a stream read to its end is drained: its keep-alive connection goes back
-                await stream.close(drain=stream.chunks.done and not ctx.incomplete)
+                await stream.close(drain=stream.chunks.done and not (attempt is not None and attempt.incomplete))
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
             log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
         # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
@@ -147,8 +147,8 @@ class Settler:
         except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
             log.exception("finish_billable_failed", request_id=ctx.request_id)
             prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
-        if hop is not None:
-            self._guard(self.release_hop, ctx, ctx.instance_ok)
+        if attempt is not None:
+            self._guard(self.release_hop, ctx, attempt.instance_ok)
         cost = None
         try:
             cost = self.cost(ctx, prompt, completion, cached)
@@ -267,7 +267,7 @@ class Settler:
             if (drafts := usage.get("completion_tokens_details")) and isinstance(drafts, dict):
                 ctx.note_drafts(drafts)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
-        if ctx.hop is None or ctx.dispatched_at is None:  # no hop served it: only what failed hops' engines made
+        if ctx.live_attempt is None:  # no hop served it: only what failed hops' engines made
             ctx.usage_source = "engine_abort" if ctx.spilled_prompt_tokens or ctx.spilled_completion_tokens else None
             return 0, 0, 0
         completion = 0

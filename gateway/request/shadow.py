@@ -27,11 +27,11 @@ from tokenweir.common.ids import random_hex
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS, InferenceKind
-from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.state.member_slots import MemberSlots
+from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Pool
 from tokenweir.policies.limits import PRIORITY_BATCH
@@ -129,15 +129,15 @@ class ShadowMirror:
             deadline = asyncio.get_running_loop().time() + mirror.total_s
             ok, upstream_id = False, "tw-shadow-" + random_hex()
             try:
-                answer, _ = await relay.call_json(
+                answer, _ = await calls.call_json(
                     self.client, hop, KIND_PATHS[mirror.kind], body, upstream_id, deadline
                 )
                 ok, status = True, "ok"
             except TimeoutError:
                 status = "timeout"
                 if hop.instance.cfg.engine:  # it may still be generating: stopped, without holding the count here
-                    self.background.spawn(relay.abort(self.client, hop, upstream_id))
-            except (relay.UpstreamFailed, relay.UpstreamRejected):
+                    self.background.spawn(calls.abort(self.client, hop, upstream_id))
+            except (calls.UpstreamFailed, calls.UpstreamRejected):
                 pass
             finally:
                 hop.instance.done(ok, time.monotonic())

@@ -58,7 +58,7 @@ _BODY_FAILURES = (*_FAILURES, RuntimeError)
 # The longest body `Response.read` takes (a non-stream answer, an error body, a control call's JSON): what an upstream
 # that never stops sending can cost in memory. Text alone stays far below it (millions of tokens); with top-20
 # logprobs on every token (about 1.2 KB each) an answer reaches it past ~50k tokens in all choices together, which is
-# what a stream is for. A stream is read event by event, each with its own bound (gateway/request/sse_reader.py).
+# what a stream is for. A stream is read event by event, each with its own bound (gateway/upstream/sse.py).
 MAX_BODY_BYTES = 64 << 20
 
 

@@ -270,7 +270,7 @@ class Hop:
     instance: Instance
     requested: str | None = None  # the model whose route plan this hop is in (another one: a fallback hop)
     error: str | None = (
-        None  # why it failed, address included (gateway/request/relay.py `failed`): the event's, not tenants'
+        None  # why it failed, address included (gateway/upstream/calls.py `failed`): the event's, not tenants'
     )
 
     @property

@@ -46,7 +46,6 @@ COMPLEX_FUNCTIONS: dict[str, int] = {
     "gateway/process/supervisor.py:Supervisor.__init__:PLR0913": 9,
     "gateway/request/admission.py:Admission.__init__:PLR0913": 11,
     "gateway/request/dispatch.py:Dispatcher.dispatch:PLR0912": 13,
-    "gateway/request/dispatch.py:Dispatcher.pump:PLR0912": 13,
     "gateway/request/settle.py:Settler.__init__:PLR0913": 13,
     "gateway/request/settle.py:Settler.event:C901": 17,
     "gateway/request/settle.py:Settler.event:PLR0912": 16,

@@ -26,14 +26,12 @@ MAX_CLASS_LINES = 300
 # Files over MAX_FILE_LINES when the rule came: path -> its line count then, a ceiling that may only come down.
 LONG_FILES: dict[str, int] = {
     "common/http/door.py": 410,
-    "gateway/request/dispatch.py": 479,
     "gateway/request/settle.py": 430,
     "gateway/state/redis.py": 418,
     "gateway/upstream/pools.py": 544,
 }
 # Classes over MAX_CLASS_LINES then: "path:Class" ("path:Outer.Inner" when nested) -> their line count then.
 LONG_CLASSES: dict[str, int] = {
-    "gateway/request/dispatch.py:Dispatcher": 435,
     "gateway/request/settle.py:Settler": 365,
     "gateway/state/redis.py:RedisState": 359,
 }

@@ -15,8 +15,8 @@ import pytest
 
 from tests.support.raw_upstream import GOOD_ANSWER, gateway_over, read_request
 from tests.support.stack import events_of, team
-from tokenweir.gateway.request.sse_reader import MAX_EVENT_BYTES
 from tokenweir.gateway.upstream import client as upstream_client
+from tokenweir.gateway.upstream.sse import MAX_EVENT_BYTES
 
 FLOOD = 64 << 20  # what the upstream would send, if it were read to the end
 NEAR_THE_BOUND = 16 << 20  # the bound, plus what the socket buffers on both sides hold

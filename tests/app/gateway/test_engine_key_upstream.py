@@ -16,8 +16,8 @@ from tokenweir.engine.config import EngineConfig
 from tokenweir.engine.core.async_engine import AsyncEngine
 from tokenweir.engine.core.llm_engine import LLMEngine
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.request import relay
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.pools import Hop
 from tokenweir.policies.limits import TeamLimits
 
@@ -86,10 +86,10 @@ def test_a_refused_key_is_an_instance_failure_that_names_no_address(stack):
 
 
 async def test_abort_sends_the_key(stack):
-    client = relay.make_client()
+    client = calls.make_client()
     try:
-        answer = await relay.abort(client, Hop("tiny", instance(stack, "tiny")), "no-such-request")
+        answer = await calls.abort(client, Hop("tiny", instance(stack, "tiny")), "no-such-request")
         assert answer == {"request_id": "no-such-request", "status": "unknown", "usage": None}
-        assert await relay.abort(client, Hop("wrong", instance(stack, "wrong")), "no-such-request") is None
+        assert await calls.abort(client, Hop("wrong", instance(stack, "wrong")), "no-such-request") is None
     finally:
         await client.aclose()

@@ -79,7 +79,7 @@ def _dispatcher(scope: str = "team") -> tuple[Dispatcher, Upstreams]:
     inst = upstreams.pools["m"].instances[0]
     inst.load = _load()
     forget_evicted(inst, inst.load)
-    settler = SimpleNamespace(members=None, background=None)  # routing and bodies use neither
+    settler = SimpleNamespace(members=None, background=None, counter=None)  # routing and bodies use none
     return Dispatcher(GatewayConfig(), upstreams, None, Metrics(), settler), upstreams
 
 

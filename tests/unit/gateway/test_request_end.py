@@ -5,19 +5,21 @@ to), and what a cancelled request started still runs to its end in the app's Bac
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
 from tokenweir.gateway.accounting.events import EventWriter, read_events
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
-from tokenweir.gateway.request import relay
+from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.state.memory import InMemoryState
+from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.limits import TeamLimits
 
@@ -55,7 +57,7 @@ async def settler(tmp_path):
     metrics = Metrics()
     events = EventWriter(tmp_path / "events.jsonl")
     events.open()
-    client = relay.make_client()
+    client = calls.make_client()
     background = BackgroundTasks()
     upstreams = Upstreams(config, metrics)
     yield Settler(upstreams, InMemoryState(), None, {}, client, events, metrics, None, None, None, background)
@@ -116,8 +118,16 @@ async def test_a_stream_handed_the_end_settles_when_its_body_is_over(settler):
         await on_end(False, False)
 
 
+def upstream_hop(served: list[bool]) -> types.SimpleNamespace:
+    """A hop to an upstream that is not our engine (nothing to abort): what its instance heard goes to `served`."""
+    instance = types.SimpleNamespace(cfg=types.SimpleNamespace(engine=False))
+    return types.SimpleNamespace(instance=instance, error=None, done=lambda ok, now: served.append(ok))
+
+
 async def test_a_body_cut_by_the_client_or_a_shutdown_decides_its_outcome(settler):
     gone, shut = admitted("r-gone"), admitted("r-shut")
+    served: list[bool] = []
+    gone.attempt = Attempt(upstream_hop(served), settler.client)  # its hop was streaming when the client left
     await RequestEnd(gone, settler, settler.background).hand_to_body()(True, False)
     await RequestEnd(shut, settler, settler.background).hand_to_body()(False, True)
     events = {e["request_id"]: e for e in read_events(settler.events.path)}
@@ -126,7 +136,9 @@ async def test_a_body_cut_by_the_client_or_a_shutdown_decides_its_outcome(settle
         "client_disconnected",
         499,
     )
-    assert events["r-gone"]["client_disconnected"] and gone.incomplete
+    assert events["r-gone"]["client_disconnected"]
+    # the hop may still be generating: marked so (an engine would be aborted), then released once, as served
+    assert gone.attempt.incomplete and gone.attempt.released and served == [True]
     assert (events["r-shut"]["reason"], events["r-shut"]["http_status"], events["r-shut"]["client_disconnected"]) == (
         "shutdown",
         503,

@@ -12,7 +12,11 @@ KiB; even an answer sent whole as one event passes it only past some 250k tokens
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
+
 from tokenweir.gateway.upstream.client import HTTPError
+from tokenweir.gateway.upstream.client import Response as UpstreamResponse
 
 MAX_EVENT_BYTES = 1 << 20  # 1 MiB: the longest SSE event (or line) read from an upstream
 
@@ -77,3 +81,45 @@ class SSEReader:
             raise EventTooLarge(
                 f"an SSE event still unfinished after {len(self._buf)} bytes, over the bound of {self.max_event_bytes}"
             )
+
+
+class SSEStream:
+    """An open upstream SSE response, read event by event (each `data:` payload as bytes), bounded and in linear time
+    (SSEReader: an event over its bound raises HTTPError, as a body cut short does)."""
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self.response = response
+        self._raw = response.aiter_raw()
+        self._reader = SSEReader()
+        self._events: deque[bytes] = deque()
+
+    async def next(self, deadline: float | None = None) -> bytes | None:
+        """The next data payload, None at the end of the body. TimeoutError past the deadline (if given)."""
+        while not self._events:
+            try:
+                if deadline is None:  # the caller holds one timeout around its whole loop (cheaper per chunk)
+                    chunk = await anext(self._raw)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(self._raw)
+            except StopAsyncIteration:
+                return None
+            self._events.extend(self._reader.feed(chunk))
+        return self._events.popleft()
+
+    @property
+    def buffered(self) -> bool:
+        """Events already read and waiting: the relay can send them in one write."""
+        return bool(self._events)
+
+    async def drain(self, timeout_s: float = 1.0) -> None:
+        """Consume what is left after [DONE] (usually just the chunked-encoding terminator)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self._raw:
+                    pass
+        except (TimeoutError, HTTPError):
+            pass
+
+    async def aclose(self) -> None:
+        await self.response.aclose()

@@ -1,12 +1,12 @@
-"""The SSE reader on its own (gateway/request/sse_reader.py): events however the body is cut into chunks, each byte
+"""The SSE reader on its own (gateway/upstream/sse.py): events however the body is cut into chunks, each byte
 searched once, and a bound on what an unfinished event may buffer."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenweir.gateway.request.sse_reader import MAX_EVENT_BYTES, EventTooLarge, SSEReader
 from tokenweir.gateway.upstream.client import HTTPError
+from tokenweir.gateway.upstream.sse import MAX_EVENT_BYTES, EventTooLarge, SSEReader
 
 BODY = b'data: {"a": 1}\r\n\r\n: a comment\nevent: x\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
 EVENTS = [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
