@@ -63,6 +63,10 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+# CPU flags of 8-bit dot-product instructions: where the int8 weight kernel beats dense weights (what the probe finds)
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def has_native_bf16(flags: set[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
 
@@ -97,50 +101,30 @@ def resolve(
     shape: tuple[int, int],
     gguf_kinds: frozenset[str] = frozenset(),
     batch_invariant: bool = False,
+    shares_kv: bool = False,
 ) -> Precision:
     """shape: (in, out) of the model's widest per-layer projection, the one that dominates a step; gguf_kinds: the
     storage types of a .gguf model's layer matrices (empty otherwise); batch_invariant: on CPU `auto` stays float32,
-    the dtype of the C++ kernels whose rows never depend on their batch. Cached: a process that builds several
-    engines probes once."""
+    the dtype of the C++ kernels whose rows never depend on their batch; shares_kv: the engine exchanges KV with
+    others (disaggregated prefill), so `auto` is decided by the CPU's flags, never by a timing probe: two engines
+    started side by side on a busy machine could time it differently, and a consumer refuses a producer whose KV
+    layout (dtype, weights) differs from its own. Cached: a process that builds several engines probes once."""
     if device.type != "cpu":
         resolved = torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
         assert quantization in ("none", "auto"), "int8 and gguf weights are CPU kernels: --quantization none on CUDA"
         return Precision(resolved, "none", f"{device.type}: {resolved}, dense weights")
-    notes = []
     prefill_dtype = torch.float32
     own_blocks = quantization == "auto" and gguf_kinds == {"Q4_1"} and cpu_ops.load() is not None
     if dtype == "auto":
-        resolved = torch.float32
-        if own_blocks or quantization in GGUF_MODES:
-            # their kernels and the C++ attention compute in float32: bf16 would only add conversions
-            notes.append("float32 (the GGUF's own blocks)")
-        elif not has_native_bf16():
-            notes.append("float32 (no native bf16 in the CPU flags)")
-        elif batch_invariant:
-            notes.append("float32 (batch invariant: the CPU kernels that give it are float32)")
-        else:
-            weights = _probe_weights(shape)
-            f32, bf16 = _probe(torch.float32, "none", 16, weights), _probe(torch.bfloat16, "none", 16, weights)
-            resolved = torch.bfloat16 if bf16 * 1.2 < f32 else torch.float32
-            notes.append(f"{resolved} (probe 16x{shape[0]}x{shape[1]}: bf16 {bf16:.3f} ms, f32 {f32:.3f} ms)")
+        gguf = own_blocks or quantization in GGUF_MODES
+        resolved, note = _auto_dtype(shape, gguf, batch_invariant, shares_kv)
     else:
-        resolved = DTYPES[dtype]
-        notes.append(f"{resolved} (asked)")
+        resolved, note = DTYPES[dtype], f"{DTYPES[dtype]} (asked)"
+    notes = [note]
     quant = quantization
     if quantization == "auto":
-        quant = "none"
-        if resolved not in (torch.float32, torch.bfloat16):
-            notes.append(f"dense weights (no int8 kernel for {resolved})")
-        elif cpu_ops.load() is None:
-            notes.append("dense weights (the int8 kernel could not be built here)")
-        elif own_blocks:
-            quant = "gguf-a16"
-            notes.append("gguf-a16: the file's own Q4_1 blocks, activations in two int8 planes")
-        else:
-            weights = _probe_weights(shape)
-            dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
-            quant = "int8" if int8 * 1.1 < dense else "none"
-            notes.append(f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)")
+        quant, note = _auto_quantization(resolved, shape, own_blocks, shares_kv)
+        notes.append(note)
     elif quantization in ("int8", "w8a8", "gguf", "gguf-a16"):
         assert resolved in (torch.float32, torch.bfloat16), f"{quantization} needs float32 or bfloat16, not {resolved}"
         notes.append(f"{quantization} (asked)")
@@ -148,6 +132,44 @@ def resolve(
         prefill_dtype, note = _prefill_dtype(shape)
         notes.append(note)
     return Precision(resolved, quant, "; ".join(notes), prefill_dtype)
+
+
+def _auto_dtype(shape: tuple[int, int], gguf: bool, batch_invariant: bool, shares_kv: bool) -> tuple[torch.dtype, str]:
+    """`--dtype auto` on CPU, and why."""
+    if gguf:  # their kernels and the C++ attention compute in float32: bf16 would only add conversions
+        return torch.float32, "float32 (the GGUF's own blocks)"
+    if not has_native_bf16():
+        return torch.float32, "float32 (no native bf16 in the CPU flags)"
+    if batch_invariant:
+        return torch.float32, "float32 (batch invariant: the CPU kernels that give it are float32)"
+    if shares_kv:
+        return (
+            torch.bfloat16,
+            "bfloat16 (native bf16 in the CPU flags; an engine that shares KV decides without a probe)",
+        )
+    weights = _probe_weights(shape)
+    f32, bf16 = _probe(torch.float32, "none", 16, weights), _probe(torch.bfloat16, "none", 16, weights)
+    resolved = torch.bfloat16 if bf16 * 1.2 < f32 else torch.float32
+    return resolved, f"{resolved} (probe 16x{shape[0]}x{shape[1]}: bf16 {bf16:.3f} ms, f32 {f32:.3f} ms)"
+
+
+def _auto_quantization(
+    resolved: torch.dtype, shape: tuple[int, int], own_blocks: bool, shares_kv: bool
+) -> tuple[str, str]:
+    """`--quantization auto` on CPU for weights in `resolved`, and why."""
+    if resolved not in (torch.float32, torch.bfloat16):
+        return "none", f"dense weights (no int8 kernel for {resolved})"
+    if cpu_ops.load() is None:
+        return "none", "dense weights (the int8 kernel could not be built here)"
+    if own_blocks:
+        return "gguf-a16", "gguf-a16: the file's own Q4_1 blocks, activations in two int8 planes"
+    if shares_kv:
+        quant = "int8" if cpu_flags() & INT8_DOT_FLAGS else "none"
+        return quant, f"{quant} weights (by the CPU's 8-bit dot-product flags; no probe: the engine shares KV)"
+    weights = _probe_weights(shape)
+    dense, int8 = _probe(resolved, "none", 1, weights), _probe(resolved, "int8", 1, weights)
+    quant = "int8" if int8 * 1.1 < dense else "none"
+    return quant, f"{quant} weights (probe 1x{shape[0]}x{shape[1]}: int8 {int8:.3f} ms, dense {dense:.3f} ms)"
 
 
 def _prefill_dtype(shape: tuple[int, int]) -> tuple[torch.dtype, str]:

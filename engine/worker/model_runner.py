@@ -62,7 +62,13 @@ class ModelRunner:
         mc, state = load_model_weights(path, progress=progress)
         widest = (mc.hidden_size, 2 * mc.intermediate_size)  # the fused gate/up projection
         self.precision = resolve_precision(
-            config.dtype, config.quantization, device, widest, mc.layer_formats, config.batch_invariant
+            config.dtype,
+            config.quantization,
+            device,
+            widest,
+            mc.layer_formats,
+            config.batch_invariant,
+            shares_kv=config.kv_transfer is not None,
         )
         dtype = self.precision.dtype
         log.info("precision: %s", self.precision.reason)

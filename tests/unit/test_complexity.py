@@ -27,7 +27,6 @@ COMPLEX_FUNCTIONS: dict[str, int] = {
     "common/text/tokenizer.py:Tokenizer.__init__:PLR0913": 11,
     "engine/api/streaming.py:stream_response:PLR0913": 9,
     "engine/model/llama.py:LlamaForCausalLM.__init__:PLR0913": 10,
-    "engine/model/precision.py:resolve:PLR0912": 14,
     "engine/sched/sampling_params.py:SamplingParams.__post_init__:C901": 16,
     "engine/sched/sampling_params.py:SamplingParams.__post_init__:PLR0912": 15,
     "engine/sched/scheduler.py:Scheduler.schedule:C901": 18,

@@ -12,6 +12,7 @@ import torch
 from loadtests.perplexity import window_logprobs
 from tokenweir.common.text.model_files import default_model_path
 from tokenweir.engine.llm import LLM
+from tokenweir.engine.model import precision
 from tokenweir.engine.model.llama import LlamaForCausalLM
 from tokenweir.engine.model.loader import load_model_weights
 from tokenweir.engine.model.precision import cpu_flags, has_native_bf16, resolve
@@ -33,6 +34,25 @@ def test_auto_quantization_reports_the_probe_it_decided_on():
     choice = resolve("float32", "auto", torch.device("cpu"), SHAPE)
     assert choice.quantization in ("none", "int8")
     assert "probe 1x576x3072" in choice.reason and "int8" in choice.reason
+
+
+def test_an_engine_that_shares_kv_decides_auto_by_the_cpu_flags_alone(monkeypatch):
+    """Two engines of a disaggregated pool must agree on their KV layout: no timing probe, which a busy machine can
+    tip either way, decides it (a probe here fails the test)."""
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("an engine that shares KV ran a timing probe")
+
+    monkeypatch.setattr(precision, "_probe", no_probe)
+    resolve.cache_clear()
+    try:
+        choice = resolve("auto", "auto", torch.device("cpu"), SHAPE, shares_kv=True)
+    finally:
+        resolve.cache_clear()
+    assert choice.dtype == (torch.bfloat16 if has_native_bf16(cpu_flags()) else torch.float32), choice.reason
+    if cpu_ops.load() is not None:
+        assert choice.quantization == ("int8" if cpu_flags() & precision.INT8_DOT_FLAGS else "none"), choice.reason
+        assert "(probe" not in choice.reason  # a probe's note: "(probe 16x576x3072: bf16 ... ms, f32 ... ms)"
 
 
 def test_auto_runs_a_q4_1_gguf_on_its_own_blocks_and_others_on_the_probe():
