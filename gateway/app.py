@@ -1,10 +1,10 @@
 """The gateway app: `create_app(config)` wires store, auth, state, queues, upstreams, events and metrics.
 
-The lifespan opens what needs opening, builds the app's `Services` whole (gateway/deps/services.py) and, on
-shutdown (uvicorn runs it on SIGTERM too), drains: the requests cut at shutdown settle (their background tasks), then
-usage and events are flushed before the process goes. At start it replays the events whose usage a crash kept out of the
-store, and seeds the shared state's budgets from the store, retrying (and answering 503 state_unavailable
-meanwhile) while the state backend is unreachable.
+The lifespan opens what needs opening, each close pushed on an exit stack right after its open, builds the request
+path's stages (gateway/deps/request_path.py) and the app's `Services` whole (gateway/deps/services.py). On shutdown
+(uvicorn runs it on SIGTERM too) the stack unwinds in reverse: first the requests cut at shutdown settle (their
+background tasks), then the pollers stop, then usage and events are flushed, then the connections close. What it does
+before serving (replaying usage a crash kept out of the store, seeding the budgets) is gateway/startup.py.
 """
 
 from __future__ import annotations
@@ -27,37 +27,34 @@ from tokenweir.common.http.errors import APIError, api_error_handler, error_resp
 from tokenweir.common.http.request_id import request_id_from
 from tokenweir.common.http.validation import validation_error
 from tokenweir.common.logging import bind_request, clear_request, ensure_configured, get_logger
-from tokenweir.gateway.accounting.events import EventWriter, replay_after
+from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.accounting.usage import UsageRecorder, seed_key_budgets
+from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
 from tokenweir.gateway.config import GatewayConfig, config_digest
+from tokenweir.gateway.deps.request_path import RequestPath
 from tokenweir.gateway.deps.services import Services, services_of
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
-from tokenweir.gateway.request.admission import Admission
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import open_scope, request_scope
-from tokenweir.gateway.request.inflight import recover
+from tokenweir.gateway.request.inflight import Recovery
 from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.runtime.routing_sync import RoutingSync
 from tokenweir.gateway.server.lane import GatewayApp, InferenceLane
 from tokenweir.gateway.server.probes import router as probes_router
 from tokenweir.gateway.server.routes import router
-from tokenweir.gateway.state.backend import StateUnavailable
+from tokenweir.gateway.startup import replay_usage, seed_state
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.state.outbox import StateOutbox
-from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
-from tokenweir.gateway.state.repair import StateWatch
+from tokenweir.gateway.state.redis import RedisState
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.store import Store
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.discovery import Discovery
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.gateway.upstream.shared_index import SharedPrefixIndex
-from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day
-from tokenweir.policies.pricing import usd_to_femtos
 
 log = get_logger()
 
@@ -85,101 +82,88 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        own_store = store is None
-        st = store if store is not None else await asyncio.to_thread(Store.open, config.store_url)
-        writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
-        usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
-        client = calls.make_client(config.timeouts.connect_s)
-        outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
-        background = BackgroundTasks()
-        routing = RoutingSync(
-            upstreams, st, config.pools, config.aliases, Discovery(config.discovery), api_key_envs=config.api_key_envs
-        )
-        decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
-        rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
-        admission = Admission(
-            config, upstreams, state, queues, client, events, metrics, usage, outbox, background, rollouts
-        )
-        app.state.services = services = Services(
-            config=config,
-            upstreams=upstreams,
-            metrics=metrics,
-            state=state,
-            queues=queues,
-            events=events,
-            store=st,
-            authenticator=Authenticator(st, config.auth_cache_ttl_s),
-            usage=usage,
-            http=client,
-            outbox=outbox,
-            admission=admission,
-            background=background,
-            routing=routing,
-            rollouts=rollouts,
-        )
-        if on_started is not None:
-            on_started(services)
-        billed = await replay_usage(st, usage, events, config)
-        await events.start()
-        # Requests a killed run of this process left in flight: billed and given back before anything is served
-        # (and before the in-process state's budgets are seeded from the store, which then includes them).
-        s = admission.settler
-        if await recover(s.journal, s, state, outbox, client, upstreams, billed):
-            await usage.flush()
-        await asyncio.to_thread(st.prune_settled, writer)  # billed directly: no start-up needs them any more
-        if admission.local is not None:
-            await seed_budgets(st, admission.local)
-        seeding = None
-        if isinstance(state, InMemoryState):
-            await seed_budgets(st, state)
-        else:
-            admission.state_ready = False
-            watch = None
-            if isinstance(state, RedisState):
-                watch = StateWatch(state, st, usage, watch_s=config.state.watch_s)
-            seeding = asyncio.create_task(seed_until_ready(st, state, admission, watch))
-        await asyncio.to_thread(admission.counters.warm)
-        await usage.start()
-        await outbox.start()
-        upstreams.start(client)
-        shared_index = None
-        if isinstance(state, RedisState) and config.prefix_index_sync_s > 0:
-            shared_index = SharedPrefixIndex(state.client, state.keys.prefix, lambda: upstreams.pools)
-            upstreams.on_record = shared_index.publish
-            shared_index.poll.start(config.prefix_index_sync_s)
-        with contextlib.suppress(*DB_ERRORS):  # the store away: the config's table until it answers
-            await routing.refresh(force=True)
-        routing.poll.start(config.routing_poll_interval_s)
-        await routing.rediscover()  # members found by DNS: their addresses before the first request
-        routing.discover.start(config.discovery.interval_s)
-        rollouts.judge.start(config.routing_poll_interval_s)
-        log.info("gateway_started", pools=list(upstreams.pools), store=config.store_url if own_store else "given")
-        try:
-            yield
-        finally:
-            await background.wait()  # requests cut at shutdown still abort, settle and write their event
-            if seeding is not None:
-                seeding.cancel()
-                await asyncio.gather(seeding, return_exceptions=True)
-            await rollouts.judge.close()
-            if admission.tracing is not None:  # what its exporter still holds goes out now
-                await asyncio.to_thread(admission.tracing.provider.shutdown)
-            await routing.poll.close()
-            await routing.discover.close()
-            if shared_index is not None:
-                await shared_index.poll.close()
-            await upstreams.close()
-            await outbox.close()
-            await usage.close()
-            await events.close()
-            admission.settler.journal.close()
-            await admission.settler.members.close()
-            await client.aclose()
+        # Each resource's close is pushed right after it opens, so shutdown closes them in the reverse order.
+        async with contextlib.AsyncExitStack() as opened:
             if own_state and hasattr(state, "close"):
-                await state.close()
-            if own_store:
-                st.close()
-            log.info("gateway_stopped")
+                opened.push_async_callback(state.close)
+            st = store
+            if st is None:
+                st = await asyncio.to_thread(Store.open, config.store_url)
+                opened.callback(st.close)
+            writer = config.events.writer_id or f"{socket.gethostname()}:{Path(config.events.path).resolve()}"
+            usage = UsageRecorder(st, config.usage_flush_interval_s, writer=writer)
+            client = calls.make_client(config.timeouts.connect_s)
+            opened.push_async_callback(client.aclose)
+            outbox = StateOutbox(state, Path(config.events.path).with_suffix(".outbox.jsonl"))
+            background = BackgroundTasks()
+            discovery = Discovery(config.discovery)
+            routing = RoutingSync(
+                upstreams, st, config.pools, config.aliases, discovery, api_key_envs=config.api_key_envs
+            )
+            decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
+            rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
+            path = RequestPath(
+                config, upstreams, state, queues, client, events, metrics, usage, outbox, background, rollouts
+            )
+            opened.push_async_callback(path.close)
+            app.state.services = services = Services(
+                config=config,
+                upstreams=upstreams,
+                metrics=metrics,
+                state=state,
+                queues=queues,
+                events=events,
+                store=st,
+                authenticator=Authenticator(st, config.auth_cache_ttl_s),
+                usage=usage,
+                http=client,
+                outbox=outbox,
+                path=path,
+                background=background,
+                routing=routing,
+                rollouts=rollouts,
+            )
+            if on_started is not None:
+                on_started(services)
+            billed = await replay_usage(st, usage, events, config)
+            await events.start()
+            opened.push_async_callback(events.close)
+            # Requests a killed run of this process left in flight: billed and given back before anything is served
+            # (and before the in-process state's budgets are seeded from the store, which then includes them).
+            if await Recovery(path.journal, path.settler, state, outbox, client, upstreams).run(billed):
+                await usage.flush()
+            await asyncio.to_thread(st.prune_settled, writer)  # billed directly: no start-up needs them any more
+            await asyncio.to_thread(path.counters.warm)
+            await usage.start()
+            opened.push_async_callback(usage.close)
+            await outbox.start()
+            opened.push_async_callback(outbox.close)
+            seeding = await seed_state(st, state, path.admission, usage, config)
+            if seeding is not None:
+                opened.push_async_callback(_cancel, seeding)
+            upstreams.start(client)
+            opened.push_async_callback(upstreams.close)
+            if isinstance(state, RedisState) and config.prefix_index_sync_s > 0:
+                shared_index = SharedPrefixIndex(state.client, state.keys.prefix, lambda: upstreams.pools)
+                upstreams.on_record = shared_index.publish
+                shared_index.poll.start(config.prefix_index_sync_s)
+                opened.push_async_callback(shared_index.poll.close)
+            with contextlib.suppress(*DB_ERRORS):  # the store away: the config's table until it answers
+                await routing.refresh(force=True)
+            routing.poll.start(config.routing_poll_interval_s)
+            opened.push_async_callback(routing.poll.close)
+            await routing.rediscover()  # members found by DNS: their addresses before the first request
+            routing.discover.start(config.discovery.interval_s)
+            opened.push_async_callback(routing.discover.close)
+            rollouts.judge.start(config.routing_poll_interval_s)
+            opened.push_async_callback(rollouts.judge.close)
+            # First at shutdown: the requests cut at shutdown still abort, settle and write their event.
+            opened.push_async_callback(background.wait)
+            log.info(
+                "gateway_started", pools=list(upstreams.pools), store=config.store_url if store is None else "given"
+            )
+            yield
+        log.info("gateway_stopped")
 
     app = GatewayApp(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
     app.include_router(probes_router)
@@ -192,6 +176,11 @@ def create_app(
     app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
     app.lane = RequestMiddleware(InferenceLane(app, _api_error_handler), max_body_bytes=config.max_body_bytes)
     return app
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def make_state(config: GatewayConfig):
@@ -210,80 +199,6 @@ def make_state(config: GatewayConfig):
     )
 
 
-async def replay_usage(store: Store, usage: UsageRecorder, events: EventWriter, config: GatewayConfig) -> set[str]:
-    """Usage of the events written after the store's watermark for this writer (a crash came between the event
-    and the usage flush): added and flushed before anything is served or any budget is seeded. Returns their
-    upstream request ids (billed already: the in-flight recovery skips them)."""
-    assert usage.writer is not None  # the watermark is kept per writer: the lifespan names this one
-    watermark = await asyncio.to_thread(store.usage_watermark, usage.writer)
-    # Requests billed straight to the store (their event or journal line could not be written): never again here
-    settled = await asyncio.to_thread(store.settled_requests, usage.writer)
-    path, backups = config.events.path, config.events.backups
-    replayed, billed = 0, set(settled)
-    for e in await asyncio.to_thread(lambda: list(replay_after(path, watermark, backups))):
-        usage.seq = max(usage.seq, e["seq"])  # the watermark passes events without usage too
-        if e.get("upstream_request_id"):
-            billed.add(e["upstream_request_id"])
-        if e.get("route") and e.get("team") and e.get("upstream_request_id") not in settled:
-            model = e.get("served_model") or e.get("model")
-            assert model is not None  # a served request's event names its model
-            prompt, completion = e.get("prompt_tokens") or 0, e.get("completion_tokens") or 0
-            day = day_key(e["ts"])
-            usage.add(
-                e["team"],
-                model,
-                prompt,
-                completion,
-                e.get("cached_tokens") or 0,
-                day=day,
-                seq=e["seq"],
-                key_id=e.get("key_id"),
-                user=e.get("user"),
-                cost_femtos=usd_to_femtos(e.get("cost") or 0),
-            )
-            replayed += 1
-    events.open(after_seq=watermark)  # seqs go on past both the file's and the store's last
-    if replayed:
-        await usage.flush()
-        log.warning("usage_replayed", events=replayed, after_seq=watermark, writer=usage.writer)
-    return billed
-
-
-async def seed_until_ready(store: Store, state, admission: Admission, watch: StateWatch | None = None) -> None:
-    """Seed the shared state's budgets, retrying while it is unreachable; admission waits for it (503 meanwhile).
-    With a `watch` (Redis), it then watches the state's epoch and rebuilds it after a loss (gateway.state.repair)."""
-    delay = 0.25
-    while True:
-        try:
-            if watch is None:
-                await seed_budgets(store, state)
-            else:
-                await watch.start()
-            admission.state_ready = True
-            log.info("state_ready")
-            if watch is not None:
-                await watch.run()
-            return
-        except (StateUnavailable, *REDIS_ERRORS) as e:
-            log.warning("state_unreachable_at_start", error=f"{type(e).__name__}: {e}", retry_in_s=delay)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 5.0)
-
-
-async def seed_budgets(store: Store, state) -> None:
-    """Spend already recorded this UTC day / month, so a restart does not hand out fresh budgets."""
-    now = time.time()
-    day, month = period_start_day(DAY, now), period_start_day(MONTH, now)
-
-    def read() -> list[tuple[str, int, int]]:
-        return [(t.id, store.spent_tokens(t.id, day), store.spent_tokens(t.id, month)) for t in store.list_teams()]
-
-    for team_id, day_tokens, month_tokens in await asyncio.to_thread(read):
-        if day_tokens or month_tokens:
-            await state.seed_spend(team_id, day_tokens, month_tokens)
-    await seed_key_budgets(store, state)  # the keys' own budgets, and every spend (USD) budget
-
-
 CLIENT_GONE = APIError(499, "The client closed the connection before the request was read.", "client_disconnected")
 SHUTTING_DOWN = APIError(503, "The gateway is shutting down; retry.", "shutting_down", headers={"retry-after": "1"})
 
@@ -300,7 +215,7 @@ def finish_unadmitted(request: Request, err: APIError) -> None:
     kind = PATH_KINDS.get(request.url.path)
     scope = request_scope(request)
     if kind is not None and not scope.accounted:
-        services_of(request).admission.settler.finish_unadmitted(scope, kind, err)
+        services_of(request).path.settler.finish_unadmitted(scope, kind, err)
 
 
 async def _validation_handler(_request, exc: RequestValidationError):

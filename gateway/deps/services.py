@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tokenweir.gateway.accounting.usage import UsageRecorder
     from tokenweir.gateway.auth.authenticator import Authenticator
     from tokenweir.gateway.config import GatewayConfig
-    from tokenweir.gateway.request.admission import Admission
+    from tokenweir.gateway.deps.request_path import RequestPath
     from tokenweir.gateway.request.background import BackgroundTasks
     from tokenweir.gateway.request.queue import DispatchQueue
     from tokenweir.gateway.runtime.rollouts import Rollouts
@@ -44,7 +44,7 @@ class Services:
     usage: UsageRecorder
     http: UpstreamClient  # the upstream client
     outbox: StateOutbox
-    admission: Admission
+    path: RequestPath  # the request path's stages: admission, dispatch, settle, and what they share
     background: BackgroundTasks  # what cancelled requests still run (their settle): shutdown waits for it
     routing: RoutingSync  # runtime pools and aliases: the store's, applied here
     rollouts: Rollouts  # aliases' canaries judged on this replica's traffic

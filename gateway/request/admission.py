@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -37,8 +38,6 @@ from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.event_faults import unavailable
 from tokenweir.gateway.accounting.events import EventWriter
-from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.auth.authenticator import Principal
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import InferenceKind
@@ -46,16 +45,14 @@ from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedConte
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
+from tokenweir.gateway.request.inflight import InflightJournal
 from tokenweir.gateway.request.queue import DispatchQueue, queue_for
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
-from tokenweir.gateway.request.tracing import gateway_tracing
+from tokenweir.gateway.request.tracing import GatewayTracing
 from tokenweir.gateway.request.variant_choice import baseline_pool, choose_variant
-from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.state.outbox import StateOutbox
-from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Upstreams
 from tokenweir.policies.caps import CapResult, apply_caps
 from tokenweir.policies.decisions import Rejected
@@ -69,44 +66,25 @@ log = get_logger()
 _LENGTH_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",)}
 
 
+@dataclass(eq=False)
 class Admission:
-    def __init__(
-        self,
-        config: GatewayConfig,
-        upstreams: Upstreams,
-        state: StateBackend,
-        queues: dict[str, DispatchQueue],
-        client: UpstreamClient,
-        events: EventWriter,
-        metrics: Metrics,
-        usage: UsageRecorder,
-        outbox: StateOutbox | None,
-        background: BackgroundTasks,
-        rollouts: Rollouts | None = None,
-    ) -> None:
-        self.config, self.upstreams, self.state, self.queues = config, upstreams, state, queues
-        self.background = background
-        # fail_open: while the shared state is away, admit under this replica's own counters
-        self.local = InMemoryState() if config.state.on_unavailable == "fail_open" else None
-        self.state_ready = True  # False until start-up has seeded the shared state's budgets
-        self.counters = TokenCounters(lambda: list(upstreams.pools), lambda m: upstreams.pools[m].cfg.tokenizer)
-        self.seen_teams: set[str] = set()  # whose per-team gauges /metrics refreshes
-        self.settler = Settler(
-            upstreams,
-            state,
-            self.local,
-            queues,
-            client,
-            events,
-            metrics,
-            usage,
-            outbox,
-            self.counters,
-            background,
-            rollouts=rollouts,
-        )
-        self.dispatcher = Dispatcher(config, upstreams, client, metrics, self.settler)
-        self.tracing = gateway_tracing(config.tracing)  # None when off
+    """A request's way in: checked, counted, capped, reserved, given a slot and a place in its pool's queue, then
+    handed to dispatch; its one end made first, so that whatever happens it is settled once."""
+
+    config: GatewayConfig
+    upstreams: Upstreams
+    state: StateBackend
+    local: InMemoryState | None  # fail_open: while the shared state is away, admit under this replica's own counters
+    queues: dict[str, DispatchQueue]
+    counters: TokenCounters
+    events: EventWriter  # while it cannot take a line, nothing is admitted
+    journal: InflightJournal  # what a request took, for a restart after this process dies
+    settler: Settler
+    dispatcher: Dispatcher
+    background: BackgroundTasks
+    tracing: GatewayTracing | None  # None when off
+    state_ready: bool = True  # False until start-up has seeded the shared state's budgets
+    seen_teams: set[str] = field(default_factory=set)  # whose per-team gauges /metrics refreshes
 
     async def handle(
         self, request: Request, principal: Principal, body: dict[str, Any], kind: InferenceKind
@@ -151,7 +129,7 @@ class Admission:
     def check_events(self) -> None:
         """While the event log cannot take a line (a full disk), nothing is admitted: an answer must not go out
         unbilled (gateway/accounting/event_faults.py). Refused before anything is taken."""
-        events = self.settler.events
+        events = self.events
         if events.faults.fault is not None:
             raise unavailable(events.retry_after_s)
 
@@ -279,7 +257,7 @@ class Admission:
                 if not self.state_ready:
                     raise StateUnavailable("the shared state is not seeded yet")
                 # Named and journaled before it is taken: a restart after this process dies, even mid-call, frees it.
-                self.settler.journal.slot(ctx, lease_id=lease.lease_id, key_id=lease.key_id)
+                self.journal.slot(ctx, lease_id=lease.lease_id, key_id=lease.key_id)
                 admit = self.state.reserve_and_acquire(
                     ctx.team_id, ctx.limits, ctx.prompt_tokens, ctx.max_tokens, **key
                 )
@@ -297,7 +275,7 @@ class Admission:
                 ctx.reservation, got = await local
         except Rejected as r:
             raise _api_error(r) from None
-        self.settler.journal.reserved(ctx)  # a restart after this process dies settles it (gateway/request/inflight.py)
+        self.journal.reserved(ctx)  # a restart after this process dies settles it (gateway/request/inflight.py)
         if got:
             ctx.slot, ctx.slot_key_id, ctx.slot_lease = True, lease.key_id, lease.lease_id
 

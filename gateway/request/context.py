@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenweir.common.http.request_id import request_id_from
+from tokenweir.gateway.accounting.request_event import clip
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.outcome import Outcome
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
     from tokenweir.gateway.request.tracing import RequestTrace
     from tokenweir.gateway.upstream.pools import Hop, Pool, Routes
     from tokenweir.policies.reservation import Reservation
-
-# Client strings copied into events, logs and metric labels are cut to this many characters.
-MAX_CLIENT_STRING = 256
-
 
 # Where the ASGI scope carries the request's RequestScope (a key of our own, not request.state's free-for-all).
 _SCOPE_KEY = "tokenweir.request"
@@ -229,10 +226,3 @@ class RequestContext(RequestRecord):
             key_limits=principal.key.limits,
             user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
         )
-
-
-def clip(value: str | None) -> str | None:
-    """A client string as it may appear in an event, a log line or a label."""
-    if isinstance(value, str) and len(value) > MAX_CLIENT_STRING:
-        return value[:MAX_CLIENT_STRING] + "..."
-    return value

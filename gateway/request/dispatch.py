@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import Response
@@ -21,8 +22,10 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
+from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import deadlines
 from tokenweir.gateway.request.attempt import Attempt
+from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.prefill_hop import PrefillHop, takes_kv
@@ -32,6 +35,7 @@ from tokenweir.gateway.request.shadow import ShadowMirror
 from tokenweir.gateway.request.stream_pump import StreamPump
 from tokenweir.gateway.request.variant_choice import baseline_hops
 from tokenweir.gateway.request.whole_answer import WholeAnswer
+from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
@@ -42,19 +46,26 @@ UNTRIED = "its member is full or gone"
 
 class Dispatcher:
     def __init__(
-        self, config: GatewayConfig, upstreams: Upstreams, client: UpstreamClient, metrics: Metrics, settler: Settler
+        self,
+        config: GatewayConfig,
+        upstreams: Upstreams,
+        client: UpstreamClient,
+        metrics: Metrics,
+        members: MemberSlots,
+        background: BackgroundTasks,
+        counter: Callable[[str], TokenCounter],
+        settler: Settler,
     ) -> None:
-        self.config, self.upstreams, self.client, self.metrics, self.settler = (
-            config,
-            upstreams,
-            client,
-            metrics,
-            settler,
-        )
-        self.shadow = ShadowMirror(config, client, metrics, settler.members, settler.background)
-        self.prefill = PrefillHop(config, upstreams, client, metrics, settler.background)
-        self.whole = WholeAnswer(config, settler.counter)
-        self.stream = StreamPump(config, settler.counter)
+        """`members`: the slots under members' max_parallel_requests, across replicas; `background`: what runs on
+        for a request (a mirror, a prefill hop's abort); `counter`: a pool's token counts, for an upstream that sends
+        no usage; `settler`: what journals an attempt as it goes out and releases one that failed (the request's end
+        releases the last)."""
+        self.config, self.upstreams, self.client, self.metrics = config, upstreams, client, metrics
+        self.members, self.settler = members, settler
+        self.shadow = ShadowMirror(config, client, metrics, members, background)
+        self.prefill = PrefillHop(config, upstreams, client, metrics, background)
+        self.whole = WholeAnswer(config, counter)
+        self.stream = StreamPump(config, counter)
 
     def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
@@ -136,7 +147,7 @@ class Dispatcher:
         lease = None
         cap = hop.instance.cfg.max_parallel_requests
         if cap is not None:
-            lease_id = await self.settler.members.take(hop.instance.cfg.base_url, cap)
+            lease_id = await self.members.take(hop.instance.cfg.base_url, cap)
             if lease_id is None:
                 return UNTRIED
             lease = (hop.instance.cfg.base_url, lease_id)

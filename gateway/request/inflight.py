@@ -12,7 +12,7 @@ loss may take the tail, as it may the events' between fsyncs: holds and leases t
     {"k": key, "t": "hop", ...}    an attempt sent to an instance: its upstream id, base URL, ours or external
     {"k": key, "t": "done"}        `Settler.finish` has settled it and written its event
 
-`recover` runs at start-up, before serving (gateway/app.py): every request without "done" is settled from what
+`Recovery` runs at start-up, before serving (gateway/app.py): every request without "done" is settled from what
 its upstream says it made (our engine's POST /abort answers with the usage of a request it ran), or from the
 reservation's bound where it cannot say, and the file starts afresh (a line it cannot read is kept in
 `<journal>.quarantine`, gateway/accounting/quarantine.py). The file is compacted to the live requests' lines
@@ -66,7 +66,7 @@ class InflightJournal:
         self._torn = False  # the file ends in a fragment of a short write
 
     def open(self) -> None:
-        """Start afresh (`recover` has read what an earlier run left)."""
+        """Start afresh (`Recovery` has read what an earlier run left)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size, self._torn = 0, False
@@ -229,83 +229,79 @@ def read_unfinished(path: str | Path) -> list[Unfinished]:
     return list(entries.values())
 
 
-async def recover(
-    journal: InflightJournal,
-    settler: Settler,
-    state: StateBackend,
-    outbox: StateOutbox | None,
-    client: UpstreamClient,
-    upstreams: Upstreams,
-    billed: set[str],
-) -> int:
-    """Settle every request the previous run of this process left unfinished, then start the journal afresh.
-    `billed`: upstream ids whose event was written (replayed from the event file) before the process died."""
-    unfinished = read_unfinished(journal.path)
-    results = await asyncio.gather(*(_settle(u, settler, state, outbox, client, upstreams, billed) for u in unfinished))
-    journal.open()
-    if unfinished:
-        log.warning("inflight_recovered", requests=len(unfinished), events=sum(results), path=str(journal.path))
-    return sum(results)
+@dataclass(eq=False)
+class Recovery:
+    """At start-up, before serving (gateway/app.py): every request the previous run of this process left unfinished,
+    settled from the journal and what its upstreams say they made."""
 
+    journal: InflightJournal
+    settler: Settler
+    state: StateBackend
+    outbox: StateOutbox | None
+    client: UpstreamClient
+    upstreams: Upstreams
 
-async def _settle(
-    u: Unfinished,
-    settler: Settler,
-    state: StateBackend,
-    outbox: StateOutbox | None,
-    client: UpstreamClient,
-    upstreams: Upstreams,
-    billed: set[str],
-) -> int:
-    """One unfinished request: its leases back, its hold settled at what was made, its event. 1 if it wrote one."""
-    for op in u.leases:
-        await _apply(state, outbox, op)
-    if u.res is None:
-        return 0
-    res, last = u.res, u.hops[-1] if u.hops else None
-    if last is not None and last["uid"] in billed:
-        prompt, completion, source = None, None, None  # its finish wrote the event: only the state is left to undo
-    else:
-        prompt, completion, source = await _made(u, client, upstreams)
-    ts = time.time()
-    ctx = RequestRecord(  # its event and bill: it is no longer running, so nothing else of its context is needed
-        request_id=res["rid"],
-        kind=res["kind"],
-        t0=time.perf_counter(),
-        team_id=res["team"],
-        key_id=res["key"],
-        model=res["model"],
-        stream=res["stream"],
-        priority=res["priority"],
-        max_tokens=res["max"],
-        outcome=Outcome("error", REASON, 502),
-        user=res["user"],
-        route=[h["label"] for h in u.hops],
-        served_model=last["served"] if last else None,
-        upstream_id=last["uid"] if last else "",
-        usage_source=source,
-    )
-    tokens = (prompt or 0) + (completion or 0)
-    cost = settler.cost(ctx, prompt or 0, completion or 0, 0) if prompt is not None else None
-    if res.get("res_id"):
-        op = {"op": "settle", "team_id": res["team"], "res_id": res["res_id"], "key_id": res["res_key"]}
-        await _apply(state, outbox, op | {"tokens": tokens, "now": ts, "cost": cost or 0})
-    elif res.get("local") and outbox is not None and tokens:
-        # Admitted under this process's own limits while the shared state was away: as finish does, its spend
-        # reaches the shared budgets through the outbox.
-        op = {"op": "settle", "team_id": res["team"], "res_id": f"local-{u.key}", "key_id": res["res_key"]}
-        outbox.put(op | {"tokens": tokens, "now": ts, "cost": cost or 0})
-    if prompt is None:
-        return 0
-    assert completion is not None  # None only together with prompt
-    await settler.record(ctx, ts, prompt, completion, 0, cost)
-    return 1
+    async def run(self, billed: set[str]) -> int:
+        """Settle every unfinished request, then start the journal afresh; returns how many events it wrote.
+        `billed`: upstream ids whose event was written (replayed from the event file) before the process died."""
+        unfinished = read_unfinished(self.journal.path)
+        results = await asyncio.gather(*(self.settle(u, billed) for u in unfinished))
+        self.journal.open()
+        if unfinished:
+            path = str(self.journal.path)
+            log.warning("inflight_recovered", requests=len(unfinished), events=sum(results), path=path)
+        return sum(results)
+
+    async def settle(self, u: Unfinished, billed: set[str]) -> int:
+        """One unfinished request: its leases back, its hold settled at what was made, its event. 1 if it wrote one."""
+        for op in u.leases:
+            await _apply(self.state, self.outbox, op)
+        if u.res is None:
+            return 0
+        res, last = u.res, u.hops[-1] if u.hops else None
+        if last is not None and last["uid"] in billed:
+            prompt, completion, source = None, None, None  # its finish wrote the event: only the state is left to undo
+        else:
+            prompt, completion, source = await _made(u, self.client, self.upstreams)
+        ts = time.time()
+        ctx = RequestRecord(  # its event and bill: it is no longer running, so nothing else of its context is needed
+            request_id=res["rid"],
+            kind=res["kind"],
+            t0=time.perf_counter(),
+            team_id=res["team"],
+            key_id=res["key"],
+            model=res["model"],
+            stream=res["stream"],
+            priority=res["priority"],
+            max_tokens=res["max"],
+            outcome=Outcome("error", REASON, 502),
+            user=res["user"],
+            route=[h["label"] for h in u.hops],
+            served_model=last["served"] if last else None,
+            upstream_id=last["uid"] if last else "",
+            usage_source=source,
+        )
+        tokens = (prompt or 0) + (completion or 0)
+        cost = self.settler.cost(ctx, prompt or 0, completion or 0, 0) if prompt is not None else None
+        if res.get("res_id"):
+            op = {"op": "settle", "team_id": res["team"], "res_id": res["res_id"], "key_id": res["res_key"]}
+            await _apply(self.state, self.outbox, op | {"tokens": tokens, "now": ts, "cost": cost or 0})
+        elif res.get("local") and self.outbox is not None and tokens:
+            # Admitted under this process's own limits while the shared state was away: as finish does, its spend
+            # reaches the shared budgets through the outbox.
+            op = {"op": "settle", "team_id": res["team"], "res_id": f"local-{u.key}", "key_id": res["res_key"]}
+            self.outbox.put(op | {"tokens": tokens, "now": ts, "cost": cost or 0})
+        if prompt is None:
+            return 0
+        assert completion is not None  # None only together with prompt
+        await self.settler.record(ctx, ts, prompt, completion, 0, cost)
+        return 1
 
 
 async def _made(u: Unfinished, client: UpstreamClient, upstreams: Upstreams) -> tuple[int, int, str | None]:
     """What the request's attempts made: our engine says exactly (it remembers the usage of requests it finished);
     an attempt it cannot answer for, or an external last one, is billed at the reservation's bound."""
-    assert u.res is not None  # _settle asks only for a request that took a reservation
+    assert u.res is not None  # Recovery.settle asks only for a request that took a reservation
     prompt = completion = 0
     source = None
     for i, hop in enumerate(u.hops):

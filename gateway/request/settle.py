@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from tokenweir.common.http.errors import APIError
@@ -25,14 +26,15 @@ from tokenweir.common.ids import random_hex
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.accounting.metrics import OUTPUT_BUCKETS, PROMPT_BUCKETS, Metrics, length_bucket
+from tokenweir.gateway.accounting.request_event import Billed, clip, request_event
 from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.openai.endpoints import InferenceKind
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request import billing, relay
 from tokenweir.gateway.request.background import BackgroundTasks, Done
 from tokenweir.gateway.request.billing import Bill
-from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope, clip
-from tokenweir.gateway.request.inflight import InflightJournal, journal_path
+from tokenweir.gateway.request.context import RequestContext, RequestRecord, RequestScope
+from tokenweir.gateway.request.inflight import InflightJournal
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
@@ -40,7 +42,6 @@ from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.state.backend import Lease, StateBackend, StateUnavailable
 from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.state.outbox import StateOutbox
-from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
 from tokenweir.policies.budget import day_key
 from tokenweir.policies.canary import judged
@@ -51,31 +52,24 @@ log = get_logger()
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
 class Settler:
-    def __init__(
-        self,
-        upstreams: Upstreams,
-        state: StateBackend,
-        local: StateBackend | None,
-        queues: dict[str, DispatchQueue],
-        client: UpstreamClient,
-        events: EventWriter,
-        metrics: Metrics,
-        usage: UsageRecorder,
-        outbox: StateOutbox | None,
-        counter: Callable[[str], TokenCounter],
-        background: BackgroundTasks,
-        journal: InflightJournal | None = None,
-        rollouts: Rollouts | None = None,
-    ) -> None:
-        self.upstreams, self.state, self.local, self.queues = upstreams, state, local, queues
-        self.members = MemberSlots(state)  # pool members' max_parallel_requests, across replicas
-        self.rollouts = rollouts  # judges aliases' canaries by their requests' outcomes
-        self.client, self.events, self.metrics, self.usage = client, events, metrics, usage
-        self.outbox, self.counter, self.background = outbox, counter, background
-        # What each running request took and where it went, for a restart after this process dies (not opened:
-        # writes nothing, as in tests that build a Settler alone)
-        self.journal = journal or InflightJournal(journal_path(events.path))
+    """The end of every request: what it took given back, what it made billed, its one event."""
+
+    upstreams: Upstreams
+    state: StateBackend
+    local: StateBackend | None  # this replica's own limits, while the shared state is away (fail_open)
+    queues: dict[str, DispatchQueue]
+    events: EventWriter
+    metrics: Metrics
+    usage: UsageRecorder
+    outbox: StateOutbox | None
+    counter: Callable[[str], TokenCounter]
+    background: BackgroundTasks
+    members: MemberSlots  # pool members' max_parallel_requests, across replicas: the attempts' slots go back here
+    # What each running request took and where it went, for a restart after this process dies
+    journal: InflightJournal
+    rollouts: Rollouts | None = None  # judges aliases' canaries by their requests' outcomes
 
     def dispatched(self, ctx: RequestContext, hop: Hop) -> None:
         """Dispatch is about to send an attempt to `hop` under `ctx.upstream_id`: journaled, so that a restart
@@ -294,7 +288,8 @@ class Settler:
         cost: int | None = None,
         chunks: ChunkFilter | None = None,
     ) -> dict[str, Any]:
-        """The request's event, for the caller to write (EventWriter.commit or .emit); its metrics are observed."""
+        """The request's event (gateway/accounting/request_event.py), for the caller to write (EventWriter.commit or
+        .emit); its metrics are observed and an overrun logged here."""
         e2e = now - ctx.t0
         tpot = None
         per_choice = completion / max(ctx.choices, 1)  # n choices stream side by side: time per token of one
@@ -303,10 +298,10 @@ class Settler:
             tpot = (chunks.last_token_at - chunks.first_token_at) / (per_choice - 1)
         if ctx.finish_reason is None and chunks is not None:
             ctx.finish_reason = chunks.finish_reason
-        # Output beyond the reservation (an upstream that ignores the max_tokens it was sent): billed in full by the
-        # settle above, and named here so that it can be found.
-        overrun = max(0, completion - ctx.max_tokens) if ctx.max_tokens is not None and ctx.route else 0
-        if overrun:
+        billed = Billed(prompt, completion, cached, cost)
+        transfer = ctx.kv_transfer or (chunks.kv_transfer if chunks is not None else None)
+        event = request_event(ctx, billed, ts or time.time(), e2e, tpot, transfer)
+        if event["overrun_tokens"]:
             log.warning(
                 "upstream_overran_reservation",
                 request_id=ctx.request_id,
@@ -314,75 +309,31 @@ class Settler:
                 reserved=ctx.max_tokens,
                 completion_tokens=completion,
             )
-        event = {
-            "ts": ts or time.time(),
-            "request_id": ctx.request_id,
-            "team": ctx.team_id,
-            "key_id": ctx.key_id,
-            "model": clip(ctx.model),
-            "served_model": ctx.served_model,
-            "route": ctx.route,
-            "route_reason": ctx.route_reason,
-            "upstream_error": ctx.upstream_error,
-            "upstream_request_id": ctx.upstream_id or None,
-            "instance": ctx.route[-1] if ctx.route else None,
-            "model_revision": ctx.model_revision,
-            "alias": ctx.alias,
-            "variant": ctx.variant,
-            "variant_steered": ctx.steered if ctx.variant is not None else None,
-            "priority": ctx.priority,
-            "status": ctx.outcome.status,
-            "reason": ctx.outcome.reason,
-            "http_status": ctx.outcome.http_status,
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "cached_tokens": cached,
-            "max_tokens": ctx.max_tokens,
-            "overrun_tokens": overrun,
-            "usage_source": ctx.usage_source,
-            "queue_ms": _ms(ctx.queue_s),
-            "ttft_ms": _ms(ctx.ttft_s),
-            "tpot_ms": _ms(tpot),
-            "e2e_ms": _ms(e2e),
-            "finish_reason": ctx.finish_reason,
-            "stream": ctx.stream,
-            "kind": ctx.kind,
-            "client_disconnected": ctx.outcome.disconnected,
-            "user": ctx.user,
-            "cost": None if cost is None else femtos_to_usd(cost),  # unrounded: a sum of events stays exact
-            "trace_id": ctx.trace.trace_id if ctx.trace is not None else None,
-        }
-        if ctx.prefill_instance is not None:
-            event["prefill_instance"], event["prefill_ms"] = ctx.prefill_instance, _ms(ctx.prefill_s)
-            transfer = ctx.kv_transfer or (chunks.kv_transfer if chunks is not None else None)
-            if isinstance(transfer, dict):
-                for key, field in _TRANSFER_FIELDS.items():
-                    value = transfer.get(field)
-                    event[key] = value if type(value) in (int, float) else None
-        if ctx.draft_tokens and ctx.accepted_draft_tokens is not None:
-            event["draft_tokens"] = ctx.draft_tokens
-            event["draft_acceptance"] = round(ctx.accepted_draft_tokens / ctx.draft_tokens, 4)
-        m = self.metrics
+        self.observe(ctx, billed, now, tpot)
+        return event
+
+    def observe(self, ctx: RequestRecord, billed: Billed, now: float, tpot: float | None) -> None:
+        """The request's metrics, and a log line for one that did not end ok."""
+        m, e2e, outcome = self.metrics, now - ctx.t0, ctx.outcome
         # Label values come from clients (a made-up model name, no team at all): keep their number bounded.
         model = ctx.model if ctx.model in self.upstreams.pools else "unknown"
-        outcome = ctx.outcome
         m.requests.labels(ctx.team_id or "none", model, outcome.status).inc()
         if ctx.alias is not None:
             m.variant_requests.labels(ctx.alias, ctx.variant, outcome.status).inc()
             self.observe_variant(ctx, tpot)
         if outcome.status == "rejected":
             m.rejections.labels(outcome.reason or "unknown").inc()
-        if prompt or completion:
-            m.prompt_tokens.labels(ctx.team_id, model).inc(prompt)
-            m.completion_tokens.labels(ctx.team_id, model).inc(completion)
-        if cost:
-            m.cost.labels(ctx.team_id, model).inc(femtos_to_usd(cost))
+        if billed.prompt or billed.completion:
+            m.prompt_tokens.labels(ctx.team_id, model).inc(billed.prompt)
+            m.completion_tokens.labels(ctx.team_id, model).inc(billed.completion)
+        if billed.cost:
+            m.cost.labels(ctx.team_id, model).inc(femtos_to_usd(billed.cost))
         if outcome.status in ("error", "timeout", "cancelled"):
             m.errors.labels(model, outcome.status, outcome.reason or "unknown").inc()
         sliced = (
             model,
-            length_bucket(prompt, PROMPT_BUCKETS),
-            length_bucket(completion, OUTPUT_BUCKETS),
+            length_bucket(billed.prompt, PROMPT_BUCKETS),
+            length_bucket(billed.completion, OUTPUT_BUCKETS),
         )
         m.e2e.labels(*sliced).observe(e2e)
         if ctx.queue_s is not None:
@@ -403,7 +354,6 @@ class Settler:
                 reason=outcome.reason,
                 http_status=outcome.http_status,
             )
-        return event
 
     def observe_variant(self, ctx: RequestRecord, tpot: float | None) -> None:
         """A canary is judged by what its own pool did (policies/canary.py `judged`): a request another pool served
@@ -416,15 +366,3 @@ class Settler:
             return
         ttft, tpot = (ctx.ttft_s, tpot) if ok else (None, None)
         self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot, ctx.t0)
-
-
-# the event's names for what a decode hop's kv_transfer_params say it fetched (engine/kv_transfer/params.py)
-_TRANSFER_FIELDS = {
-    "kv_fetched_tokens": "fetched_tokens",
-    "kv_fetched_bytes": "fetched_bytes",
-    "kv_fetch_ms": "fetch_ms",
-}
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 3)

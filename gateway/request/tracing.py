@@ -17,8 +17,8 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenweir.common.tracing import epoch_ns, make_provider, parent_context, trace_id_of, traceparent_of
+from tokenweir.gateway.accounting.request_event import clip
 from tokenweir.gateway.config import TracingConfig
-from tokenweir.gateway.request.context import clip
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -17,7 +17,8 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 
 from tokenweir.common.http.errors import APIError
-from tokenweir.gateway.request.context import RequestContext, clip
+from tokenweir.gateway.accounting.request_event import clip
+from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
 from tokenweir.policies import variants
 

@@ -41,7 +41,7 @@ async def livez() -> JSONResponse:
 async def health(request: Request, services: ServicesDep) -> JSONResponse:
     detail = await _shows_admin_key(request, services)
     checks: dict[str, str] = {}
-    admission = services.admission
+    admission = services.path.admission
     try:
         async with asyncio.timeout(_CHECK_TIMEOUT_S):
             await services.state.ping()
@@ -100,7 +100,7 @@ async def metrics(request: Request, services: ServicesDep) -> Response:
             return error_response(
                 APIError(401, "Metrics need 'Authorization: Bearer <metrics_token>'.", "invalid_metrics_token")
             )
-    teams = sorted(services.admission.seen_teams)[:MAX_TEAM_SERIES]
+    teams = sorted(services.path.admission.seen_teams)[:MAX_TEAM_SERIES]
     for team_id in teams:
         try:
             m.refresh_team(team_id, await services.state.snapshot(team_id))

@@ -157,7 +157,7 @@ async def inference_response(
     data = orjson_body(raw)
     request_scope(request).model = data.get("model")  # for the event of a request refused before admission
     body = check_body(data, raw, _SCHEMAS[kind])
-    return await services.admission.handle(request, principal, body, kind)
+    return await services.path.admission.handle(request, principal, body, kind)
 
 
 @router.post(KIND_PATHS["chat"], summary="Create a chat completion", **_inference_doc(CHAT, ChatCompletion))

@@ -26,7 +26,6 @@ MAX_CLASS_LINES = 300
 # Files over MAX_FILE_LINES when the rule came: path -> its line count then, a ceiling that may only come down.
 LONG_FILES: dict[str, int] = {
     "common/http/door.py": 410,
-    "gateway/request/settle.py": 430,
     "gateway/state/redis.py": 418,
     "gateway/upstream/pools.py": 544,
 }

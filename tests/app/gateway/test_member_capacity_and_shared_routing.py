@@ -100,9 +100,9 @@ def test_members_never_serve_more_than_their_cap_and_full_ones_make_requests_wai
         events = all_events(fl, 12)
         assert len(events) == 12 and {e["status"] for e in events} == {"ok"}
         gw = fl["gateways"][0]
-        members = gw.app.state.services.admission.settler.members
+        members = gw.app.state.services.path.members
         deadline = time.monotonic() + 5
-        while any(g.app.state.services.admission.settler.members.held for g in fl["gateways"]):
+        while any(g.app.state.services.path.members.held for g in fl["gateways"]):
             assert time.monotonic() < deadline, "a member lease was never given back"
             time.sleep(0.02)
         member_urls = [u.base_url for u in gw.app.state.services.upstreams.pools[MODEL].cfg.upstreams]

@@ -14,8 +14,8 @@ from loadtests.fake_upstream import FakeUpstream, free_port
 from tests.support.serve_thread import ServerThread, serve_app
 from tokenweir.gateway.accounting.events import EventWriter, read_events, replay_after
 from tokenweir.gateway.accounting.usage import UsageRecorder
-from tokenweir.gateway.app import replay_usage
 from tokenweir.gateway.config import EventsConfig, GatewayConfig, PoolConfig, StateConfig, UpstreamConfig
+from tokenweir.gateway.startup import replay_usage
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.limits import TeamLimits
 
@@ -83,7 +83,7 @@ def test_fail_open_admits_under_local_limits_and_keeps_the_spend_for_the_shared_
             # Redis was never reached (start-up waits for its epoch): no reserve went out, so none is to be undone
             # (a reserve whose answer was lost is: tests/app/gateway/test_state_loss.py)
             assert [op for op in pending if op not in spend] == []
-            local = gw.call(gw.app.state.services.admission.local.snapshot(team_id))
+            local = gw.call(gw.app.state.services.path.local.snapshot(team_id))
             assert local["in_flight"] == 0 and local["spent_today"] == sum(fake.totals())
     outbox_file = tmp_path / "events.outbox.jsonl"
     assert len(outbox_file.read_bytes().splitlines()) == 3, "undelivered changes stay on disk for the next start"

@@ -67,7 +67,7 @@ def stack(tmp_path_factory):
     dead = f"http://127.0.0.1:{closed_port()}"
 
     def export_gateway_spans(services) -> None:
-        services.admission.tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))
+        services.path.tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))
 
     def traced_engine(config: EngineConfig) -> ServerThread:
         return ServerThread(build_app(AsyncEngine(LLMEngine(config)), tracer_provider=engine_provider))

@@ -79,8 +79,8 @@ def _dispatcher(scope: str = "team") -> tuple[Dispatcher, Upstreams]:
     inst = upstreams.pools["m"].instances[0]
     inst.load = _load()
     forget_evicted(inst, inst.load)
-    settler = SimpleNamespace(members=None, background=None, counter=None)  # routing and bodies use none
-    return Dispatcher(GatewayConfig(), upstreams, None, Metrics(), settler), upstreams
+    # routing and bodies use no client, member slots, background tasks, token counts or settler
+    return Dispatcher(GatewayConfig(), upstreams, None, Metrics(), None, None, None, None), upstreams
 
 
 def _ctx(upstreams: Upstreams, team: str, key: str, model: str = "m", **body) -> SimpleNamespace:

@@ -94,9 +94,8 @@ def test_external_pools_default_to_least_in_flight_and_round_robin_turns():
 
 def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     upstreams, metrics = _upstreams(), Metrics()
-    dispatcher = Dispatcher(
-        GatewayConfig(), upstreams, None, metrics, SimpleNamespace(members=None, background=None, counter=None)
-    )
+    # routing uses no client, member slots, background tasks, token counts or settler
+    dispatcher = Dispatcher(GatewayConfig(), upstreams, None, metrics, None, None, None, None)
     # a prompt of token ids needs no tokenizer; a text prompt in a pool that names none goes by load
     ctx = SimpleNamespace(
         model="m",

@@ -15,9 +15,11 @@ from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.inflight import InflightJournal, journal_path
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
+from tokenweir.gateway.state.member_slots import MemberSlots
 from tokenweir.gateway.state.memory import InMemoryState
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.pools import Upstreams
@@ -60,7 +62,11 @@ async def settler(tmp_path):
     client = calls.make_client()
     background = BackgroundTasks()
     upstreams = Upstreams(config, metrics)
-    yield Settler(upstreams, InMemoryState(), None, {}, client, events, metrics, None, None, None, background)
+    state = InMemoryState()
+    journal = InflightJournal(journal_path(events.path))  # not opened: it writes nothing
+    yield Settler(
+        upstreams, state, None, {}, events, metrics, None, None, None, background, MemberSlots(state), journal
+    )
     await events.close()
     await client.aclose()
 
@@ -127,7 +133,8 @@ def upstream_hop(served: list[bool]) -> types.SimpleNamespace:
 async def test_a_body_cut_by_the_client_or_a_shutdown_decides_its_outcome(settler):
     gone, shut = admitted("r-gone"), admitted("r-shut")
     served: list[bool] = []
-    gone.attempt = Attempt(upstream_hop(served), settler.client)  # its hop was streaming when the client left
+    # its hop was streaming when the client left (not our engine: nothing to abort, so no client is called)
+    gone.attempt = Attempt(upstream_hop(served), None)
     await RequestEnd(gone, settler, settler.background).hand_to_body()(True, False)
     await RequestEnd(shut, settler, settler.background).hand_to_body()(False, True)
     events = {e["request_id"]: e for e in read_events(settler.events.path)}
