@@ -31,7 +31,7 @@ LONG_FILES: dict[str, int] = {
 }
 # Classes over MAX_CLASS_LINES then: "path:Class" ("path:Outer.Inner" when nested) -> their line count then.
 LONG_CLASSES: dict[str, int] = {
-    "gateway/request/settle.py:Settler": 365,
+    "gateway/request/settle.py:Settler": 313,
     "gateway/state/redis.py:RedisState": 359,
 }
 # Import cycles there were then, each the set of modules that import one another in a ring. None: the modules that
