@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import orjson
 
-from tokenweir.common.text.chat_text import join_text_parts
+from tokenweir.common.text.chat_text import TEMPLATE_FIELDS, join_text_parts
 from tokenweir.common.text.model_files import default_model_path  # torch-free: the one locator of the bundled model
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
@@ -84,6 +84,7 @@ class TokenCounter:
         """`tokenizer_path`: the served model's GGUF, or "default" for the bundled SmolLM2 (exact both ways);
         None for an external model (estimate: no tokenizer is loaded)."""
         self.exact = tokenizer_path is not None
+        self.tokenizer_path = tokenizer_path  # as the pool names it: whose ids `chat_prompt` makes
         self.tokenizer = None
         if self.exact:
             self.tokenizer = _load(default_model_path() if tokenizer_path == "default" else tokenizer_path)
@@ -107,17 +108,26 @@ class TokenCounter:
     def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
         """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,
         raising UnsupportedContent)."""
-        flat, extra = [], 0
+        return self.chat_prompt(messages, part_tokens)[0]
+
+    def chat_prompt(self, messages: list[dict], part_tokens: int | None = None) -> tuple[int, list[int] | None]:
+        """`count_chat`, and the prompt's ids where they are the engine's own: an exact count of messages whose text
+        the chat template renders as they are counted (string contents, no name or tool fields; None otherwise),
+        so that prefix routing need not tokenize the prompt again (gateway/openai/prompt_ids.py)."""
+        flat, extra, as_rendered = [], 0, True
         for i, m in enumerate(messages):
             text, parts = message_text(m, f"messages.{i}.content", part_tokens is not None)
             extra += parts * (part_tokens or 0)
             if m.get("tool_calls"):
                 text += orjson.dumps(m["tool_calls"]).decode()
+            as_rendered = as_rendered and isinstance(m.get("content"), str | None)
+            as_rendered = as_rendered and all(m.get(key) is None for key in TEMPLATE_FIELDS)
             flat.append({"role": m.get("role", "user"), "content": text})
         if self.exact:
             assert self.tokenizer is not None  # loaded whenever the counts are exact
-            return len(self.tokenizer.encode_chat(flat)) + extra
-        return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra
+            ids = self.tokenizer.encode_chat(flat)
+            return len(ids) + extra, ids if as_rendered else None
+        return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra, None
 
 
 class TokenCounters:

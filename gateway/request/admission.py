@@ -175,7 +175,11 @@ class Admission:
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
         part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
         try:
-            ctx.prompt_tokens = ctx.longest_prompt = counter.count_chat(ctx.body["messages"], part_tokens)
+            ctx.prompt_tokens, ids = counter.chat_prompt(ctx.body["messages"], part_tokens)
+            ctx.longest_prompt = ctx.prompt_tokens
+            if ids is not None and ctx.body.get("add_generation_prompt", True) is not False:  # as the engine renders
+                assert counter.tokenizer_path is not None  # ids come only from an exact count
+                ctx.prompt_ids = (counter.tokenizer_path, ids)
         except UnsupportedContent as e:
             raise APIError(
                 400,

@@ -141,6 +141,9 @@ class RequestContext(RequestRecord):
     prompts: int = 1  # a /v1/completions batch's prompts, each completed on its own
     prompt_tokens: int = 0  # all prompts together
     longest_prompt: int = 0  # the batch's longest prompt: what the context window must hold
+    # a chat prompt's ids as the engine computes them, where counting made them (else None), and the tokenizer (as
+    # its pool names it) that made them: what prefix routing hashes, for a pool with that tokenizer
+    prompt_ids: tuple[str, list[int]] | None = None
     reservation: Reservation | None = None
     slot: bool = False
     local_state: bool = False  # admitted under this replica's own limits while the shared state was away

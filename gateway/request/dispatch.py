@@ -74,7 +74,10 @@ class Dispatcher:
         pool = ctx.pools[target]
         token_ids, head = None, 0
         if pool.cfg.strategy == "prefix" and ctx.kind != "embeddings":  # an embedding leaves no KV cache behind
-            token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
+            if ctx.prompt_ids is not None and ctx.prompt_ids[0] == pool.cfg.tokenizer:
+                token_ids = ctx.prompt_ids[1]  # admission's count made them with this tokenizer: tokenized once
+            else:
+                token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
             if token_ids and ctx.kind == "chat":
                 head = head_tokens(pool.cfg.tokenizer, ctx.body, token_ids)
         salt = request_salt(ctx, target)  # the engine keys its cache by it: the index must too

@@ -90,6 +90,7 @@ def _ctx(upstreams: Upstreams, team: str, key: str, model: str = "m", **body) ->
         body={"model": model, "prompt": PROMPT, **body},
         route_reason=None,
         context_fallback=None,
+        prompt_ids=None,  # admission counted no chat
         alias=None,  # no alias's variant (a canary's plan ends with its baseline)
         routes=upstreams.routes,
         pools=upstreams.pools,

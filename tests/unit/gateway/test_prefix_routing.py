@@ -103,6 +103,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         body={"prompt": TEAM},
         route_reason=None,
         context_fallback=None,
+        prompt_ids=None,  # admission counted no chat
         alias=None,  # no alias's variant (a canary's plan ends with its baseline)
         routes=upstreams.routes,
         pools=upstreams.pools,
@@ -118,6 +119,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
         body={"prompt": "hello"},
         route_reason=None,
         context_fallback=None,
+        prompt_ids=None,  # admission counted no chat
         alias=None,  # no alias's variant (a canary's plan ends with its baseline)
         routes=upstreams.routes,
         pools=upstreams.pools,
@@ -130,6 +132,54 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     assert 'tokenweir_gateway_routing_decisions_total{pool="m",reason="prefix_home"} 1.0' in text
     assert 'tokenweir_gateway_routing_decisions_total{pool="m",reason="least_loaded"} 1.0' in text
     assert 'tokenweir_gateway_routing_prefix_hit_blocks_count{pool="m"} 1.0' in text
+
+
+def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without_tokenizing_again():
+    """The prompt is tokenized once: admission's exact count of a chat of string messages makes the very ids the
+    engine computes (its own request model renders the reference), and routing hashes those; a chat the count
+    renders otherwise (text parts, tool calls, a name) gives none, and routing tokenizes it as the engine does."""
+    pytest.importorskip("gguf")
+    from tokenweir.engine.api.protocol import ChatCompletionRequest
+    from tokenweir.gateway.openai.prompt_ids import _tokenizer
+    from tokenweir.gateway.openai.token_count import TokenCounter
+
+    tok = _tokenizer("default")
+    counter = TokenCounter("default")
+    plain = [
+        {"role": "system", "content": "You are terse. " * 20},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    count, ids = counter.chat_prompt(plain)
+    engine = ChatCompletionRequest(model="m", messages=plain).template_messages()
+    assert ids == tok.encode_chat(engine, True) and count == len(ids)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for other in (
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
+        [{"role": "user", "content": "hi", "name": "ann"}],
+    ):
+        assert counter.chat_prompt(other)[1] is None, other
+
+    upstreams = _upstreams()
+    upstreams.pools["m"].cfg.tokenizer = "default"
+    dispatcher = Dispatcher(GatewayConfig(), upstreams, None, Metrics(), None, None, None, None)
+    encoded: list[object] = []
+    real = tok.encode_chat
+    tok.encode_chat = lambda messages, *a: encoded.append(messages) or real(messages, *a)  # counts, then encodes
+    try:
+        ctx = SimpleNamespace(
+            model="m", kind="chat", body={"model": "m", "messages": plain}, route_reason=None, context_fallback=None,
+            prompt_ids=("default", ids), alias=None, routes=upstreams.routes, pools=upstreams.pools, team_id="t",
+            key_id="k",
+        )  # fmt: skip
+        _, hashes = dispatcher.route(ctx)
+    finally:
+        del tok.encode_chat
+    assert [len(m) for m in encoded] == [1]  # only the system part alone (the head), never the whole prompt again
+    ctx.prompt_ids, ctx.route_reason = None, None  # as for a chat whose count made no ids: routing tokenizes it
+    assert dispatcher.route(ctx)[1] == hashes
 
 
 def test_prompt_ids_match_the_engines_own_encoding():
