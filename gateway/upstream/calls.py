@@ -89,6 +89,14 @@ def failure_reason(status: int) -> str:
     return f"HTTP {status}"
 
 
+def refusal(hop: Hop, status: int, body: bytes) -> UpstreamFailed | UpstreamRejected:
+    """What a non-200 answer raises: the instance's failure (a 5xx, 429 or 401: the next hop may serve the request),
+    unless our engine says the request itself caused it; any other status, the client's (passed through)."""
+    if status >= 500 or status == 429 or status == 401:
+        return request_fault(hop, _error_of(body)) or failed(hop, failure_reason(status))
+    return UpstreamRejected(status, body)
+
+
 def answer_fault(path: str, answer: object) -> str | None:
     """Why a 200 JSON answer to `path` is no answer (a failure of the hop: the next one may serve the request, and
     nothing of it is relayed or billed), or None: an object with a non-empty list of `choices` (chat, completions)
@@ -147,10 +155,8 @@ async def call_json(
                 await r.aclose()
         except HTTPError as e:
             raise failed(hop, "connection failed", e) from e
-    if r.status_code >= 500 or r.status_code == 429 or r.status_code == 401:
-        raise request_fault(hop, _error_of(raw)) or failed(hop, failure_reason(r.status_code))
     if r.status_code != 200:
-        raise UpstreamRejected(r.status_code, raw)
+        raise refusal(hop, r.status_code, raw)
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -183,9 +189,7 @@ async def open_stream(
                 data = b""
             finally:
                 await response.aclose()
-            if response.status_code >= 500 or response.status_code == 429 or response.status_code == 401:
-                raise request_fault(hop, _error_of(data)) or failed(hop, failure_reason(response.status_code))
-            raise UpstreamRejected(response.status_code, data)
+            raise refusal(hop, response.status_code, data)
     return SSEStream(response)
 
 
