@@ -46,6 +46,8 @@ def measure(code_root: str, stream: bool) -> dict[str, int]:
         path = frame.f_code.co_filename
         if event != "call" or "/gateway/" not in path or not inside(path, code_root):
             return
+        if frame.f_code.co_name == "__setattr__":  # the context guarding its own fields: every write, not a stage
+            return
         for value in frame.f_locals.values():
             if type(value).__name__ == "RequestContext":
                 seen.append(value) if not seen else None

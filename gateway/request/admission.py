@@ -104,6 +104,7 @@ class Admission:
             self.count_prompt(ctx)
             self.apply_caps(ctx)
             await self.reserve(ctx)
+            ctx.seal()  # what it was counted at and granted is what dispatch routes and settle bills
             self.take_slot(ctx)
             await self.enter_queue(ctx)
             return await self.dispatcher.dispatch(ctx, end)

@@ -6,6 +6,10 @@ once by the middleware, filled in by auth and body parsing, read by the event of
 `RequestContext`, the record of an admitted request, created once by admission and passed down to dispatch and
 settle, adds what it asked for, what it was granted and where it went. Both are data: a request's live I/O belongs
 to the hop that opened it (gateway/request/relay.py HopStream), held by the request's end (request_end.py).
+
+What admission decides (`ADMITTED_FACTS`: who asked, for which pool, within which limits, how many tokens it was
+counted at and granted) is fixed once its reservation is taken (`RequestContext.seal`): dispatch, settle and the event
+read them as admitted, and a later stage that assigns one raises instead of billing or routing on a changed fact.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenweir.common.http.request_id import request_id_from
@@ -32,6 +36,16 @@ if TYPE_CHECKING:
     from tokenweir.gateway.request.tracing import RequestTrace
     from tokenweir.gateway.upstream.pools import Hop, Pool, Routes
     from tokenweir.policies.reservation import Reservation
+
+# What admission decided, fixed once it reserved: no later stage may assign them (RequestContext.seal)
+ADMITTED_FACTS = frozenset(
+    {
+        "request_id", "kind", "t0", "team_id", "key_id", "model", "priority", "stream", "user", "max_tokens",
+        "choices", "alias", "variant", "steered", "limits", "key_limits", "body", "deadline_base", "client_usage",
+        "client_continuous", "prompts", "prompt_tokens", "longest_prompt", "prompt_ids", "context_fallback",
+        "cost_reserved", "routes",
+    }
+)  # fmt: skip
 
 # Where the ASGI scope carries the request's RequestScope (a key of our own, not request.state's free-for-all).
 _SCOPE_KEY = "tokenweir.request"
@@ -69,6 +83,8 @@ class RequestRecord:
     team, key and model may be unknown: None), as has one a dead process left and its restart settles
     (gateway/request/inflight.py); an admitted one has the whole `RequestContext`."""
 
+    # True once admission fixed ADMITTED_FACTS (first, so that __init__ sets it before any of them)
+    sealed: bool = False
     request_id: str
     kind: InferenceKind
     t0: float  # time.perf_counter() at arrival: every duration is measured on it
@@ -115,6 +131,11 @@ class RequestRecord:
     # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
     trace: RequestTrace | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ADMITTED_FACTS and self.sealed:
+            raise FrozenInstanceError(f"{name} was fixed at admission; a later stage may read it, not assign it")
+        object.__setattr__(self, name, value)
+
     def note_drafts(self, details: dict[str, Any]) -> None:
         """The upstream's speculative decoding, from OpenAI's prediction-token counts (completion_tokens_details), if
         well formed."""
@@ -158,14 +179,17 @@ class RequestContext(RequestRecord):
     slot_key_id: str | None = None  # the key whose own concurrency slot this request holds beside the team's
     slot_lease: str | None = None  # that slot's lease id in a shared state: released by id (request/inflight.py)
     cost_reserved: int = 0  # micro-USD held on the spend budgets at admission (policies.pricing)
-    # disaggregated prefill: the prefill members to try before the decode hop (route), the answer that names the
-    # prompt's KV (the decode hop's kv_transfer_params), and the loop time its TTFT clock started
+    # disaggregated prefill: the prefill members to try before the decode hop (route), and the answer that names the
+    # prompt's KV (the decode hop's kv_transfer_params)
     prefill_hops: list[Hop] = field(default_factory=list)
     context_fallback: str | None = None  # the pool of a longer context that serves a prompt too long for `model`'s
     kv_transfer_params: dict[str, Any] | None = None
-    ttft_clock: float | None = None
     prefill_pin: Attempt | None = None  # the prefill hop whose engine holds the KV (its /abort lets it go)
     routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
+
+    def seal(self) -> None:
+        """Admission has decided: ADMITTED_FACTS are read-only from now on."""
+        self.sealed = True
 
     def start_attempt(self, attempt: Attempt) -> None:
         """Dispatch sends `attempt`: what the event says of the last hop (its route, pool, model version, the

@@ -23,11 +23,11 @@ from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.prompt_ids import head_tokens, prompt_token_ids
 from tokenweir.gateway.openai.token_count import TokenCounter
-from tokenweir.gateway.request import deadlines
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.deadlines import Deadlines
 from tokenweir.gateway.request.prefill_hop import PrefillHop, takes_kv
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
@@ -63,9 +63,9 @@ class Dispatcher:
         self.config, self.upstreams, self.client, self.metrics = config, upstreams, client, metrics
         self.members, self.settler = members, settler
         self.shadow = ShadowMirror(config, client, metrics, members, background)
-        self.prefill = PrefillHop(config, upstreams, client, metrics, background)
-        self.whole = WholeAnswer(config, counter)
-        self.stream = StreamPump(config, counter)
+        self.prefill = PrefillHop(upstreams, client, metrics, background)
+        self.whole = WholeAnswer(counter)
+        self.stream = StreamPump(counter)
 
     def route(self, ctx: RequestContext) -> tuple[list[Hop], list[int]]:
         """The route plan (its first hop chosen by the pool's strategy), the decision on ctx and in metrics, and the
@@ -99,21 +99,22 @@ class Dispatcher:
         """The answer of the first hop that gives one; with `retries`, the plan again after a backoff when every hop
         failed before its first byte. A stream's response carries the request's `end` (its body settles the
         request); any other answer, or an exception, leaves the end to the handler."""
+        assert ctx.sealed, "dispatch takes a request admission has decided"
         hops, hashes = self.route(ctx)
+        budget = Deadlines.of(self.config, ctx)
         end.on_settled = self.shadow.sample(ctx)  # a mirror, sent once the request has ended and been billed
         if ctx.prefill_hops:
-            await self.prefill.run(ctx, hashes)
-            if ctx.stream and asyncio.get_running_loop().time() >= deadlines.first_token_deadline(self.config, ctx):
+            await self.prefill.run(ctx, hashes, budget)
+            if ctx.stream and asyncio.get_running_loop().time() >= budget.first_token():
                 # the prefill hop spent the whole TTFT budget: no decode hop could send a first token in time
                 if ctx.prefill_pin is not None:
                     self.prefill.release(ctx)
                 ctx.outcome.decide("timeout", "ttft_timeout", 504)
-                limit = deadlines.limits(self.config, ctx)[0]
-                raise APIError(504, f"The upstream did not send a first token within {limit:g}s.", "timeout")
+                raise APIError(504, f"The upstream did not send a first token within {budget.ttft_s:g}s.", "timeout")
         last = "every instance's circuit is open"
         for plan_round in range(1 + ctx.pools[ctx.model].cfg.retries):
             if plan_round:  # a retry: the whole plan again, after a backoff
-                if not await self.back_off(ctx, plan_round):
+                if not await self.back_off(ctx, plan_round, budget):
                     break
                 hops = self.retry_plan(ctx)
                 self.metrics.retries.labels(ctx.model).inc()
@@ -121,7 +122,7 @@ class Dispatcher:
             while True:
                 tried = False
                 for hop in hops:
-                    answer = await self.try_hop(ctx, hop, end, hashes)
+                    answer = await self.try_hop(ctx, hop, end, hashes, budget)
                     if isinstance(answer, Response):
                         return answer
                     if answer is not UNTRIED:
@@ -141,7 +142,9 @@ class Dispatcher:
             headers={"retry-after": str(max(1, int(self.config.breaker.cooldown_s)))},
         )
 
-    async def try_hop(self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int]) -> Response | str:
+    async def try_hop(
+        self, ctx: RequestContext, hop: Hop, end: RequestEnd, hashes: list[int], budget: Deadlines
+    ) -> Response | str:
         """The hop's answer, or why it failed before its first byte (the next hop, or a retry, may serve it);
         UNTRIED, without trying it, when its member serves max_parallel_requests already or has left the routing table
         (removed since the plan was made: it gets nothing new)."""
@@ -156,7 +159,7 @@ class Dispatcher:
             lease = (hop.instance.cfg.base_url, lease_id)
         if ctx.prefill_pin is not None and not takes_kv(ctx, hop):
             self.prefill.release(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
-        deadlines.start_ttft_clock(ctx)  # the first hop out starts it; a later one spends what is left
+        budget.start_ttft_clock()  # the first hop out starts it; a later one spends what is left
         attempt = Attempt(hop, self.client, lease)
         ctx.start_attempt(attempt)
         if ctx.trace is not None:
@@ -168,8 +171,8 @@ class Dispatcher:
         body = self.upstream_body(ctx, hop)
         try:
             if ctx.stream:
-                return await self.stream.open(ctx, attempt, body, end)
-            return await self.whole.call(ctx, attempt, body)
+                return await self.stream.open(ctx, attempt, body, end, budget)
+            return await self.whole.call(ctx, attempt, body, budget)
         except calls.UpstreamFailed as e:
             attempt.incomplete = False
             # The request may have reached the engine (a stream that failed before its first token, a connection lost
@@ -197,13 +200,13 @@ class Dispatcher:
             ctx.outcome.decide("error", "upstream_rejected", e.status)
             return Response(e.body, e.status, media_type="application/json")
 
-    async def back_off(self, ctx: RequestContext, attempt: int) -> bool:
+    async def back_off(self, ctx: RequestContext, attempt: int, budget: Deadlines) -> bool:
         """Wait before retry `attempt` (exponential, with jitter: replicas that failed together do not come back
         together); False, without waiting, if the wait would pass the request's deadline (its first token's, for a
         stream: the hops before spent that budget, the retry does not restart it)."""
         pool = ctx.pools[ctx.model].cfg
         delay = pool.retry_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)
-        if asyncio.get_running_loop().time() + delay >= deadlines.answer_deadline(self.config, ctx):
+        if asyncio.get_running_loop().time() + delay >= budget.answer(ctx.stream):
             return False
         await asyncio.sleep(delay)
         return True

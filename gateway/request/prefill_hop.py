@@ -11,13 +11,12 @@ import asyncio
 import time
 
 from tokenweir.gateway.accounting.metrics import Metrics
-from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
-from tokenweir.gateway.request import deadlines
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.deadlines import Deadlines
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop, Upstreams
@@ -34,21 +33,20 @@ def takes_kv(ctx: RequestContext, hop: Hop) -> bool:
 class PrefillHop:
     def __init__(
         self,
-        config: GatewayConfig,
         upstreams: Upstreams,
         client: UpstreamClient,
         metrics: Metrics,
         background: BackgroundTasks,
     ) -> None:
-        self.config, self.upstreams, self.client = config, upstreams, client
+        self.upstreams, self.client = upstreams, client
         self.metrics, self.background = metrics, background
 
-    async def run(self, ctx: RequestContext, hashes: list[int]) -> None:
+    async def run(self, ctx: RequestContext, hashes: list[int], budget: Deadlines) -> None:
         """Try ctx.prefill_hops in order until one keeps the prompt's KV (ctx.prefill_pin), the TTFT budget is spent,
         or one refuses the request (the decode hop then answers the client why)."""
         loop = asyncio.get_running_loop()
-        deadlines.start_ttft_clock(ctx)
-        deadline = deadlines.first_token_deadline(self.config, ctx)
+        budget.start_ttft_clock()
+        deadline = budget.first_token()
         for hop in (h for h in ctx.prefill_hops if not h.instance.removed):  # checked as each goes out
             attempt = Attempt(hop, self.client)
             hop.instance.take(time.monotonic())

@@ -17,12 +17,12 @@ from fastapi.responses import Response
 from starlette.types import Send
 
 from tokenweir.common.http.errors import APIError
-from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.token_count import TokenCounter
-from tokenweir.gateway.request import deadlines, relay
+from tokenweir.gateway.request import relay
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.deadlines import Deadlines
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.upstream import calls
@@ -31,15 +31,16 @@ from tokenweir.gateway.upstream.sse import EventTooLarge
 
 
 class StreamPump:
-    def __init__(self, config: GatewayConfig, counter: Callable[[str], TokenCounter]) -> None:
-        self.config, self.counter = config, counter
+    def __init__(self, counter: Callable[[str], TokenCounter]) -> None:
+        self.counter = counter  # a pool's token counts, for an upstream that sends no usage
 
-    async def open(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any], end: RequestEnd) -> Response:
+    async def open(
+        self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any], end: RequestEnd, budget: Deadlines
+    ) -> Response:
         """The stream's response, once its first token came; the stream itself is the request's end's from the
         moment it opened (whoever ends the request closes it)."""
         loop = asyncio.get_running_loop()
-        ttft, total = deadlines.limits(self.config, ctx)
-        first_deadline = deadlines.first_token_deadline(self.config, ctx)  # what earlier hops left of the budget
+        first_deadline = budget.first_token()  # what earlier hops left of the budget
         hop = attempt.hop
         attempt.incomplete = attempt.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
@@ -62,16 +63,17 @@ class StreamPump:
                 if out is not None:
                     first.append(out)
         except TimeoutError:
-            first_token = loop.time() < ctx.deadline_base + total
+            first_token = loop.time() < budget.total
             ctx.outcome.decide("timeout", "ttft_timeout" if first_token else "total_timeout", 504)
-            which, limit = ("first token", ttft) if first_token else ("response", total)
-            attempt.instance_ok = not deadlines.instance_too_slow(self.config, ctx, "ttft" if first_token else "total")
+            which, limit = ("first token", budget.ttft_s) if first_token else ("response", budget.total_s)
+            blamed = budget.ttft_blames_instance if first_token else budget.total_blames_instance
+            attempt.instance_ok = not blamed
             raise APIError(504, f"The upstream did not send a {which} within {limit:g}s.", "timeout") from None
         except HTTPError as e:  # (an oversized event's bound is not the tenant's to know)
             reason = "an oversized event" if isinstance(e, EventTooLarge) else "connection failed"
             raise calls.failed(hop, reason, e) from e
         ctx.ttft_s = (chunks.first_token_at or time.perf_counter()) - attempt.dispatched_at + (ctx.prefill_s or 0.0)
-        deadline = ctx.deadline_base + total
+        deadline = budget.total
 
         async def pump(send: Send) -> bool:
             return await self.pump(ctx, attempt, stream, first, deadline, send)

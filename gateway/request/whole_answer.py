@@ -10,29 +10,27 @@ from typing import Any
 from fastapi.responses import Response
 
 from tokenweir.common.http.errors import APIError
-from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
 from tokenweir.gateway.openai.token_count import TokenCounter
-from tokenweir.gateway.request import deadlines
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.context import RequestContext
+from tokenweir.gateway.request.deadlines import Deadlines
 from tokenweir.gateway.request.stream_chunks import generated_text
 
 
 class WholeAnswer:
-    def __init__(self, config: GatewayConfig, counter: Callable[[str], TokenCounter]) -> None:
-        self.config, self.counter = config, counter
+    def __init__(self, counter: Callable[[str], TokenCounter]) -> None:
+        self.counter = counter  # a pool's token counts, for an upstream that sends no usage
 
-    async def call(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any]) -> Response:
-        _, total = deadlines.limits(self.config, ctx)
+    async def call(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any], budget: Deadlines) -> Response:
         attempt.incomplete = attempt.engine
         traceparent = ctx.trace.hop_traceparent if ctx.trace is not None else None
         try:
-            obj, raw = await attempt.call(KIND_PATHS[ctx.kind], body, ctx.deadline_base + total, traceparent)
+            obj, raw = await attempt.call(KIND_PATHS[ctx.kind], body, budget.total, traceparent)
         except TimeoutError:
             ctx.outcome.decide("timeout", "total_timeout", 504)
-            attempt.instance_ok = not deadlines.instance_too_slow(self.config, ctx, "total")
-            raise APIError(504, f"The upstream did not answer within {total:g}s.", "timeout") from None
+            attempt.instance_ok = not budget.total_blames_instance
+            raise APIError(504, f"The upstream did not answer within {budget.total_s:g}s.", "timeout") from None
         finally:
             ctx.upstream_end = time.perf_counter()
         attempt.incomplete = False
