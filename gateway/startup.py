@@ -15,7 +15,8 @@ from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.request.admission import Admission
 from tokenweir.gateway.state.backend import StateBackend, StateUnavailable
 from tokenweir.gateway.state.memory import InMemoryState
-from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.gateway.state.redis_connection import REDIS_ERRORS
 from tokenweir.gateway.state.repair import StateWatch
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.budget import DAY, MONTH, day_key, period_start_day

@@ -27,6 +27,7 @@ from tokenweir.common.http.door_refusals import (
     head_too_large,
     too_many_fields,
 )
+from tokenweir.common.http.head_with_body import HeadWithBody
 
 if TYPE_CHECKING:
     import logging
@@ -312,47 +313,6 @@ if HttpToolsProtocol is not None:
             super().on_message_complete()
             self._in_body = False
             self._stop_body()
-
-
-class HeadWithBody:
-    """The transport as one response's cycle sees it: the response head (its first write) is held until the body's
-    first write, and both go out in one `writelines`: one syscall and one TCP segment per small answer where
-    uvicorn makes two. A head whose body does not follow at once (a stream waiting for its first chunk) is written
-    at the end of the loop iteration that produced it, so nothing waits on it."""
-
-    __slots__ = ("_transport", "_loop", "_held", "_first")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport, self._loop = transport, loop
-        self._held: bytes | None = None
-        self._first = True
-
-    def write(self, data: bytes) -> None:
-        if self._first:
-            self._first = False
-            self._held = data
-            self._loop.call_soon(self.flush)
-            return
-        held, self._held = self._held, None
-        if held is None:
-            self._transport.write(data)
-        elif not self._transport.is_closing():
-            self._transport.writelines((held, data))
-
-    def flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:  # the rest of the transport's interface, as it is
-        return getattr(self._transport, name)
 
 
 class DoorH11Protocol(_Door, H11Protocol):

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.state.backend import StateBackend
-from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state.redis import RedisState
 from tokenweir.gateway.state.redis_calls import lim
+from tokenweir.gateway.state.redis_connection import REDIS_ERRORS
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_leases import LeaseBook
 from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, script_args

@@ -4,7 +4,8 @@ Every decision is one Lua script (gateway.state.redis_lua; one round trip, atomi
 together admit exactly what one would: limits are never multiplied by the replica count. A request makes two: its
 reservation with its concurrency lease (reserve_and_acquire), and its settle with the lease's release
 (settle_and_release). Where each team's and API key's counters live: gateway.state.redis_keys; reading the scripts'
-answers: gateway.state.redis_replies; the leases this replica holds and renews: gateway.state.redis_leases.
+answers: gateway.state.redis_replies; the leases this replica holds and renews: gateway.state.redis_leases; the
+client and its pools, on one server or a cluster: gateway.state.redis_connection.
 A replica that dies without settling cannot hold budget or slots forever: expired holds are reaped (their
 tokens given back) by the next reserve, expired slot leases by the next acquire. Live leases are renewed by a
 background task. Budget and lease expiries are fixed points (period end, lease end), never pushed out by an
@@ -26,34 +27,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import redis
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException
-from redis.maint_notifications import MaintNotificationsConfig
-
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.state.backend import Lease, StateUnavailable
-from tokenweir.gateway.state.redis_calls import PackedCalls, lim
-from tokenweir.gateway.state.redis_cluster_wire import ClusterHotScript, ClusterLines
+from tokenweir.gateway.state.redis_calls import PackedCalls
+from tokenweir.gateway.state.redis_connection import REDIS_ERRORS, RedisConnection
 from tokenweir.gateway.state.redis_epoch import LiveHold, StateUnseeded
 from tokenweir.gateway.state.redis_keys import RedisKeyLayout
 from tokenweir.gateway.state.redis_leases import LeaseBook
-from tokenweir.gateway.state.redis_lua import ACQUIRE, ACQUIRE_ARGV, RESERVE, SETTLE, script_args
 from tokenweir.gateway.state.redis_replies import merged_headers, reserve_rejection, snapshot_view
-from tokenweir.gateway.state.redis_wire import HotLine, HotScript, RedisClient
+from tokenweir.gateway.state.redis_wire import RedisClient
 from tokenweir.policies.budget import as_key_rejection
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 from tokenweir.policies.pricing import split_femtos
 from tokenweir.policies.reservation import Reservation
 
-# What a call to an unreachable, slow or overloaded Redis raises (a pool that waited in vain raises
-# ConnectionError("No connection available"), a command past its socket timeout TimeoutError). Under uvloop a
-# write on a connection Redis reset raises RuntimeError ("unable to perform operation on <TCPTransport
-# closed=True>"), not an OSError. A cluster's client also raises RedisClusterException, not a RedisError (no node
-# reachable, a slot no node serves).
-REDIS_ERRORS = (redis.RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError)
 NO_KEY_LIMITS = KeyLimits()  # what a key without limits of its own is counted under
 
 
@@ -66,9 +53,8 @@ class RedisState:
     to `pool_timeout_s` for a free connection instead of failing at once; a call that still fails raises
     `StateUnavailable`, with the change to retry in `pending` when it was a settle or a release.
 
-    `cluster`: `url` names one node of a Redis Cluster (any; the others are found from it). Each node then has a
-    pool of its own of up to `max_connections`, which raises at once when full instead of waiting `pool_timeout_s`
-    (redis-py's cluster client has no blocking pool; the request path's two calls use no pooled connection).
+    `cluster`: `url` names one node of a Redis Cluster (any; the others are found from it), whose pools do not
+    wait (gateway.state.redis_connection).
 
     `require_seeded`: refuse (StateUnseeded) a team Redis holds no seeded spend for, after calling `on_unseeded`
     (which may seed it and answer True, and the reserve is tried again); the app sets both (gateway.state.repair)."""
@@ -91,39 +77,12 @@ class RedisState:
         self._keys = RedisKeyLayout(prefix)
         self.lease_s, self._clock = lease_s, clock
         self.hold_s = hold_s or lease_s
-        self._redis: RedisClient
-        self._reserve_script: HotScript | ClusterHotScript
-        self._settle: HotScript | ClusterHotScript
-        self._line: HotLine | None = None
-        self._lines: ClusterLines | None = None
-        timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-        if cluster:
-            # no retries: a command whose connection was lost may have run (ACQUIRE twice takes two leases), and a
-            # cluster client retrying a pipeline first closes every connection, those of other callers too
-            cluster_client = aioredis.RedisCluster.from_url(
-                url, max_connections=max_connections, decode_responses=True, retry=Retry(NoBackoff(), 0), **timeouts
-            )
-            self._redis, self._lines = cluster_client, ClusterLines(cluster_client)
-            self._reserve_script = ClusterHotScript(self._lines, RESERVE)
-            self._settle = ClusterHotScript(self._lines, SETTLE)
-        else:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=pool_timeout_s,
-                decode_responses=True,
-                # off (its default is on where the server offers them), so that the pool checks each connection it
-                # hands out and reconnects one Redis closed while it sat idle (after a restart or a cut)
-                maint_notifications_config=MaintNotificationsConfig(enabled=False),
-                **timeouts,
-            )
-            self._redis = client = aioredis.Redis(connection_pool=pool)
-            # a request's two calls go lean (gateway.state.redis_wire), their arguments packed from caches
-            self._line = HotLine(pool.connection_kwargs) if HotLine.serves(pool) else None
-            self._reserve_script = HotScript(client, RESERVE, self._line)
-            self._settle = HotScript(client, SETTLE, self._line)
+        self._connection = connection = RedisConnection(
+            url, max_connections=max_connections, pool_timeout_s=pool_timeout_s, timeout_s=timeout_s, cluster=cluster
+        )
+        self._redis = connection.client
+        self._reserve_script, self._settle = connection.reserve, connection.settle
         self._calls = PackedCalls(self._keys)
-        self._acquire = self._redis.register_script(ACQUIRE)
         self._lease_book = LeaseBook(self._redis, self._keys, lease_s, clock, REDIS_ERRORS)
         self.live_holds: dict[str, LiveHold] = {}  # by hold id, until settled
         self.require_seeded = require_seeded
@@ -302,13 +261,7 @@ class RedisState:
         try:
             team_id, key_id = op["team_id"], op.get("key_id")
             if op["op"] == "release_slot":
-                if key_id is None:
-                    await self._redis.zrem(self._keys.key(team_id, "slots"), op["lease_id"])
-                    return 0
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    for slots in self._keys.slot_keys(team_id, key_id):
-                        pipe.zrem(slots, op["lease_id"])
-                    await pipe.execute()
+                await self._lease_book.release(team_id, key_id, op["lease_id"])
                 return 0
             assert op["op"] == "settle", op
             return int(await self._settle.call(*self._calls.settle(op)))
@@ -327,25 +280,7 @@ class RedisState:
         """Take a concurrency lease shared by all replicas (on the team's slots, and the key's given key_id);
         renewed in the background until released. `lease_id`: the caller's name for it (unique), chosen before
         the call so that a restart after this process dies can release it by name (gateway/request/inflight.py)."""
-        lease_id = lease_id or random_hex()
-        args = script_args(
-            ACQUIRE_ARGV,
-            now=repr(self._clock()),
-            lease_s=self.lease_s,
-            max_concurrency=lim(max_concurrency),
-            lease_id=lease_id,
-            key_max_concurrency=lim(key_max),
-        )
-        try:
-            if not await self._acquire(keys=self._keys.slot_keys(team_id, key_id), args=args):
-                return False
-        except REDIS_ERRORS as e:
-            # The lease may have been taken before the answer was lost: release it, or it would hold one of the
-            # team's slots until it expires.
-            undo = Lease(lease_id, key_id).release_op(team_id)
-            raise StateUnavailable(f"acquire_slot: {type(e).__name__}: {e}", pending=undo) from e
-        self._lease_book.taken(team_id, key_id, lease_id)
-        return True
+        return await self._lease_book.acquire(team_id, key_id, lease_id or random_hex(), max_concurrency, key_max)
 
     async def release_slot(self, team_id: str, *, key_id: str | None = None, lease_id: str | None = None) -> None:
         """Drop one of this replica's leases: `lease_id`, the one acquire_slot was given (the request's own, as its
@@ -401,18 +336,8 @@ class RedisState:
 
     async def ping(self) -> None:
         """Readiness: StateUnavailable when Redis does not answer."""
-        try:
-            if isinstance(self._redis, aioredis.RedisCluster):
-                await self._redis.ping(target_nodes=aioredis.RedisCluster.PRIMARIES)
-            else:
-                await self._redis.ping()
-        except REDIS_ERRORS as e:
-            raise StateUnavailable(f"ping: {type(e).__name__}: {e}") from e
+        await self._connection.ping()
 
     async def close(self) -> None:
         await self._lease_book.close()
-        if self._line is not None:
-            self._line.close()
-        if self._lines is not None:
-            self._lines.close()
-        await self._redis.aclose()
+        await self._connection.close()

@@ -23,7 +23,8 @@ import uuid
 from tokenweir.common.logging import get_logger
 from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.state.backend import StateUnavailable
-from tokenweir.gateway.state.redis import REDIS_ERRORS, RedisState
+from tokenweir.gateway.state.redis import RedisState
+from tokenweir.gateway.state.redis_connection import REDIS_ERRORS
 from tokenweir.gateway.state.redis_epoch import RedisEpoch, SubjectSpend
 from tokenweir.gateway.store.store import Store
 from tokenweir.policies.budget import DAY, MONTH, period_start_day

@@ -57,8 +57,8 @@ async def test_each_teams_calls_run_on_the_primary_that_serves_its_slot(on_clust
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "pooled"])
 async def test_a_primary_without_the_scripts_gets_them_and_the_call_is_answered(on_cluster, lean):
     state, cluster = on_cluster
-    assert state._lines is not None
-    state._lines._lean = lean  # pooled: what a TLS cluster (rediss://) uses
+    assert state._connection.lines is not None
+    state._connection.lines._lean = lean  # pooled: what a TLS cluster (rediss://) uses
     res = await state.reserve("t", TeamLimits(), 1, 1)
     for node in cluster.primaries():
         with cluster.admin(node) as admin:

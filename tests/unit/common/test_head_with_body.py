@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenweir.common.http.door import HeadWithBody
+from tokenweir.common.http.head_with_body import HeadWithBody
 
 
 class Recording:
