@@ -63,6 +63,8 @@ class FakeUpstream:
     max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
     ttft_ms: float = 0.0  # added to every answer's first-token delay (a slower model version)
     received: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (path, body)
+    # the x-gateway-inference-fairness-id each of those came with (None: none), as our engine reads it
+    fairness_ids: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     # /load says it caches prompt prefixes in blocks of this many tokens, hashed as our engine hashes them (so a
     # gateway routes to it by prefix); None: /load says nothing of a cache
     block_size: int | None = None
@@ -114,6 +116,8 @@ class FakeUpstream:
             return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
         self.requests_seen += 1
         self.received.append((path, req))
+        fairness_id = dict(scope["headers"]).get(b"x-gateway-inference-fairness-id")
+        self.fairness_ids.append(fairness_id.decode() if fairness_id is not None else None)
         if self.down or self.fail_next > 0:
             self.fail_next = max(0, self.fail_next - 1)
             return await _json(send, 503, _err("upstream down", "service_unavailable", "unavailable"))

@@ -1,9 +1,12 @@
-"""Priority bands and stride scheduling between teams inside a band.
+"""Priority bands and fair shares between teams inside a band.
 
 Bands are strict: lower priority value runs first and a band never dispatches while a lower one waits.
-Inside a band, stride scheduling gives each team a share proportional to its weight: every dispatch advances
-the team's pass by stride = BIG / weight and the lowest pass goes next. A team that becomes active again
-starts no lower than the band's current minimum pass, so idling cannot bank credit for a later burst.
+Inside a band, each team's service is counted and the least served (per unit of its weight) goes next: every unit
+of service advances the team's pass by stride = BIG / weight. What a unit is, is the caller's: one request (stride
+scheduling), or one weighted token (the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
+Models", OSDI'24: prompt tokens at dispatch, output tokens times their weight once made, `charge`). A team that
+becomes active again starts no lower than the band's current minimum pass (VTC's lift), so idling cannot bank credit
+for a later burst.
 
 A full queue sheds from the bottom, not at the door: a request of a higher band (lower number) displaces the
 latest-arrived waiter of the lowest-priority band below its own (`pick_displaced`), so a batch team filling the
@@ -78,11 +81,20 @@ class StrideScheduler:
             return None
         return min(self._active, key=lambda t: (self._active[t], self._order[t]))
 
-    def served(self, team: str) -> None:
-        """Team got one dispatch: advance its pass by its stride."""
+    def served(self, team: str, units: int = 1) -> None:
+        """Team got a dispatch worth `units` of service: advance its pass by that many strides."""
         assert team in self._active, f"{team} served while inactive"
         self._vtime = self._active[team]
-        self._active[team] += self._stride[team]
+        self._active[team] += self._stride[team] * units
+
+    def charge(self, team: str, units: int, weight: int = 1) -> None:
+        """Team got `units` more service than its dispatches were charged (the output a request made, known once it
+        ended; a request let in without queueing): its pass advances as `served`'s would, whether it waits or not."""
+        assert units >= 0
+        if team in self._active:
+            self._active[team] += self._stride[team] * units
+        else:
+            self._last_pass[team] = max(self._last_pass.get(team, 0), self._vtime) + stride_of(weight) * units
 
     def pass_of(self, team: str) -> int | None:
         return self._active.get(team, self._last_pass.get(team))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenweir.gateway.config.base import CACHE_SCOPES, FOREVER_S, STRICT, plain
+from tokenweir.gateway.config.base import CACHE_SCOPES, FAIRNESS, FOREVER_S, STRICT, plain
 from tokenweir.policies.pricing import Prices, price_error
 from tokenweir.policies.routing import RouteParams
 
@@ -84,6 +84,11 @@ class PoolConfig:
     max_context: int | None = None  # prompt + max_tokens must fit
     capacity: int = 64  # requests dispatched to the pool at once; the rest wait in its priority queue
     max_queued: int = 1024
+    # How the queue shares the pool between the teams of a priority band (gateway/request/queue.py): "tokens", by
+    # the weighted tokens each has been served (prompt + output_token_weight x output: VTC), or "requests", by the
+    # requests each has dispatched
+    fairness: str = "tokens"
+    output_token_weight: float = 2.0
     ttft_timeout_s: float | None = None
     total_timeout_s: float | None = None
     # When every hop of the plan failed before its first byte (connection refused, 5xx, 429), go through the plan
@@ -161,6 +166,8 @@ class PoolConfig:
             raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
         if self.cache_scope not in CACHE_SCOPES:
             raise ValueError(f"pool {self.model}: cache_scope must be one of {', '.join(CACHE_SCOPES)}")
+        if self.fairness not in FAIRNESS or not 0 <= self.output_token_weight <= 100:
+            raise ValueError(f"pool {self.model}: fairness is 'tokens' or 'requests', 0 <= output_token_weight <= 100")
 
     def route_params(self, block_size: int = 16) -> RouteParams:
         """The routing policy's parameters (validated there) for a pool whose engines cache blocks of `block_size`."""

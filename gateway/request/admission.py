@@ -326,7 +326,7 @@ class Admission:
             ctx.trace.phase("queue")
         try:
             queue = queue_for(self.queues, ctx.pools[ctx.model].cfg)
-            ctx.ticket = await queue.acquire(ctx.team_id, ctx.priority, ctx.limits.weight, timeout)
+            ctx.ticket = await queue.acquire(ctx.team_id, ctx.priority, ctx.limits.weight, timeout, ctx.prompt_tokens)
         except Rejected as r:
             raise _api_error(r) from None
         ctx.queue_s = ctx.ticket.queue_s

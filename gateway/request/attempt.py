@@ -18,6 +18,10 @@ from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop
 from tokenweir.gateway.upstream.sse import SSEStream
 
+# The header an engine reads the request's fairness id from (llm-d's name): the team, which its scheduler shares
+# tokens between. Only the gateway reaches an engine (its API key), and only the gateway sets it.
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+
 
 def new_upstream_id() -> str:
     """An id of our own for one attempt: never the client's X-Request-Id, which two requests (maybe of two teams)
@@ -36,6 +40,7 @@ class Attempt:
     incomplete: bool = False  # the upstream may still be generating: the request's end aborts it
     instance_ok: bool = True  # what the instance's circuit hears when the attempt is released
     released: bool = False
+    fairness_id: str | None = None  # whose service it is, for our engine's scheduler: the request's team
 
     @property
     def engine(self) -> bool:
@@ -51,11 +56,21 @@ class Attempt:
         self, path: str, body: dict[str, Any], deadline: float, traceparent: str | None
     ) -> tuple[dict[str, Any], bytes]:
         """The whole answer (gateway/upstream/calls.py call_json)."""
-        return await calls.call_json(self.client, self.hop, path, body, self.upstream_id, deadline, traceparent)
+        extra = self.headers(traceparent)
+        return await calls.call_json(self.client, self.hop, path, body, self.upstream_id, deadline, extra)
 
     async def open(self, path: str, body: dict[str, Any], deadline: float, traceparent: str | None) -> SSEStream:
         """A stream, opened up to its headers (gateway/upstream/calls.py open_stream)."""
-        return await calls.open_stream(self.client, self.hop, path, body, self.upstream_id, deadline, traceparent)
+        extra = self.headers(traceparent)
+        return await calls.open_stream(self.client, self.hop, path, body, self.upstream_id, deadline, extra)
+
+    def headers(self, traceparent: str | None) -> dict[str, str]:
+        """What the gateway adds to the hop's request: the trace it continues, and for our engine the team it
+        schedules fairly (another upstream is not told who our tenants are)."""
+        extra = {"traceparent": traceparent} if traceparent is not None else {}
+        if self.fairness_id is not None and self.engine:
+            extra[FAIRNESS_ID_HEADER] = self.fairness_id
+        return extra
 
     async def abort(self) -> dict[str, Any] | None:
         """Stop it on our engine; the engine's answer (its usage: the exact count made), or None where it cannot

@@ -160,7 +160,7 @@ class Dispatcher:
         if ctx.prefill_pin is not None and not takes_kv(ctx, hop):
             self.prefill.release(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
         budget.start_ttft_clock()  # the first hop out starts it; a later one spends what is left
-        attempt = Attempt(hop, self.client, lease)
+        attempt = Attempt(hop, self.client, lease, fairness_id=ctx.team_id)
         ctx.start_attempt(attempt)
         if ctx.trace is not None:
             ctx.trace.start_hop("hop", hop)

@@ -48,7 +48,7 @@ class PrefillHop:
         budget.start_ttft_clock()
         deadline = budget.first_token()
         for hop in (h for h in ctx.prefill_hops if not h.instance.removed):  # checked as each goes out
-            attempt = Attempt(hop, self.client)
+            attempt = Attempt(hop, self.client, fairness_id=ctx.team_id)
             hop.instance.take(time.monotonic())
             traceparent = None
             if ctx.trace is not None:

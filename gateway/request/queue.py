@@ -1,14 +1,18 @@
 """The dispatch queue: who may send a request to the engine pool next.
 
-`capacity` dispatch slots are shared by all teams. A request takes a slot at once if one is free and
-nobody waits; otherwise it waits as a future in its team's FIFO inside its priority band. When a slot frees,
-the lowest band with waiters is served, and inside it the team with the lowest stride pass (weighted
-fairness). The number of waiters is bounded and each waiter has a deadline (`queue_timeout`). At the bound a
-request of a higher band takes the place of the latest-arrived waiter of the lowest-priority band below its own
-(policies/priority.py `pick_displaced`), which is shed at once with `displaced` (429 + Retry-After) and holds
-nothing here; a request of the same or a lower band than every waiter is refused with `queue_full`. A waiter
-cancelled or timed out while queued is removed; if a slot was handed to it in that same instant, the slot is
-passed on.
+`capacity` dispatch slots are shared by all teams. A request takes a slot at once if one is free and nobody waits;
+otherwise it waits as a future in its team's FIFO inside its priority band. When a slot frees, the lowest band with
+waiters is served, and inside it the team that has had the least service for its weight (policies/priority.py),
+counted in weighted tokens (`fairness: tokens`, VTC: a request's prompt tokens when it is let in, its output tokens
+times `output_token_weight` when it ends, whether it queued or found a slot free) or in requests (`fairness:
+requests`: each dispatch from the queue counts one). Each replica counts what it let in: with R replicas sharing a
+pool evenly, the service difference between two backlogged teams stays within R times one queue's bound.
+
+The number of waiters is bounded and each waiter has a deadline (`queue_timeout`). At the bound a request of a higher
+band takes the place of the latest-arrived waiter of the lowest-priority band below its own
+(policies/priority.py `pick_displaced`), which is shed at once with `displaced` (429 + Retry-After) and holds nothing
+here; a request of the same or a lower band than every waiter is refused with `queue_full`. A waiter cancelled or
+timed out while queued is removed; if a slot was handed to it in that same instant, the slot is passed on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Ticket:
     team_id: str
     priority: int
     enqueued_at: float  # time.monotonic()
+    weight: int = 1  # the team's share
+    units: int = 1  # the service its dispatch counts: one request, or its prompt tokens (fairness: tokens)
     granted_at: float = 0.0
     released: bool = False
     id: int = field(default_factory=lambda: next(_ids))
@@ -60,10 +66,18 @@ class _Band:
 
 
 class DispatchQueue:
-    def __init__(self, capacity: int, max_queued: int, hold_estimate_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_queued: int,
+        hold_estimate_s: float = 1.0,
+        fairness: str = "tokens",
+        output_token_weight: float = 2.0,
+    ) -> None:
         assert capacity >= 0 and max_queued >= 0
         self.capacity = capacity
         self.max_queued = max_queued
+        self.fairness, self.output_token_weight = fairness, output_token_weight
         self._in_use = 0
         self._queued = 0
         self._bands: dict[int, _Band] = {}
@@ -76,14 +90,20 @@ class DispatchQueue:
         self.timed_out = 0
         self.cancelled = 0
 
-    async def acquire(self, team_id: str, priority: int, weight: int = 1, timeout_s: float | None = None) -> Ticket:
+    async def acquire(
+        self, team_id: str, priority: int, weight: int = 1, timeout_s: float | None = None, prompt_tokens: int = 0
+    ) -> Ticket:
         """Wait for a dispatch slot: Rejected('queue_full') at once, ('queue_timeout') at the deadline,
         ('displaced') when a request of a higher band takes this one's place in a full queue."""
         assert weight >= 1
         # clamp into the known bands: a client-chosen priority must not mint new bands (memory, O(bands) work)
-        ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic())
+        ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic(), weight)
+        if self.fairness == "tokens":
+            ticket.units = max(1, prompt_tokens)  # a request of no prompt (an empty embedding input) still costs
         if self._queued == 0 and self._in_use < self.capacity:
             self._grant(ticket)
+            if self.fairness == "tokens":  # service is service, queued or not: the counter sees all of it
+                self._bands.setdefault(ticket.priority, _Band()).scheduler.charge(team_id, ticket.units, weight)
             return ticket
         if self._queued >= self.max_queued and not self._displace_for(ticket.priority):
             self.rejected_full += 1
@@ -118,10 +138,14 @@ class DispatchQueue:
             raise waiter.shed
         return ticket
 
-    def release(self, ticket: Ticket) -> None:
-        """Give a slot back and hand it to the next waiter. Idempotent; never awaits (safe in any finally)."""
+    def release(self, ticket: Ticket, output_tokens: int = 0) -> None:
+        """Give a slot back and hand it to the next waiter; with fairness by tokens, its team is charged the
+        `output_tokens` it made. Idempotent; never awaits (safe in any finally)."""
         if ticket.released:
             return
+        if self.fairness == "tokens" and output_tokens > 0 and ticket.priority in self._bands:
+            units = round(output_tokens * self.output_token_weight)
+            self._bands[ticket.priority].scheduler.charge(ticket.team_id, units, ticket.weight)
         self._free(ticket)
         held = time.monotonic() - ticket.granted_at
         self._mean_hold_s += 0.1 * (held - self._mean_hold_s)
@@ -140,8 +164,8 @@ class DispatchQueue:
             "queued": self._queued,
             "max_queued": self.max_queued,
             "queued_by_priority": {
-                p: sum(len(q) for q in band.waiters.values()) for p, band in sorted(self._bands.items())
-            },
+                p: sum(len(q) for q in band.waiters.values()) for p, band in sorted(self._bands.items()) if band.waiters
+            },  # (a band also holds the counters of teams let in without queueing: only those with waiters show)
             "queued_by_team": dict(self._queued_by_team),
             "in_use_by_team": dict(self._in_use_by_team),
             "dispatched": self.dispatched,
@@ -230,7 +254,7 @@ class DispatchQueue:
             waiter = band.waiters[team].popleft()
             live = not waiter.future.done()  # done = cancelled, its task not yet resumed to clean up: skip it
             if live:
-                band.scheduler.served(team)  # before _unlink, which may deactivate the team
+                band.scheduler.served(team, waiter.ticket.units)  # before _unlink, which may deactivate the team
             self._unlink(waiter, band)
             if not live:
                 continue
@@ -247,6 +271,7 @@ def queue_for(queues: dict[str, DispatchQueue], pool: PoolConfig) -> DispatchQue
     elif queue.capacity != pool.capacity:
         queue.set_capacity(pool.capacity)
     queue.max_queued = pool.max_queued
+    queue.fairness, queue.output_token_weight = pool.fairness, pool.output_token_weight
     return queue
 
 

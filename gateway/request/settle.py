@@ -127,8 +127,6 @@ class Settler:
         except Exception:  # noqa: BLE001 - whatever broke here, the bill and the slots below must still happen
             log.exception("finish_upstream_cleanup_failed", request_id=ctx.request_id)
         # 2) Slots back, then settle and account: each step guarded, so none is skipped because another raised.
-        if ctx.ticket is not None:
-            self._guard(self.queues[ctx.model].release, ctx.ticket)
         state = self.local if ctx.local_state else self.state
         lease = None  # its own lease, the one it journaled: given back with the settle below, in one state call
         if ctx.slot:
@@ -141,6 +139,8 @@ class Settler:
         except Exception:  # noqa: BLE001 - never drop a bill: fall back to what was counted at admission
             log.exception("finish_billable_failed", request_id=ctx.request_id)
             prompt, completion, cached = ctx.prompt_tokens if ctx.route else 0, 0, 0
+        if ctx.ticket is not None:  # its output is its team's service, in a queue fair by tokens
+            self._guard(self.queues[ctx.model].release, ctx.ticket, completion)
         if attempt is not None:
             self._guard(self.release_hop, ctx, attempt.instance_ok)
         cost = None

@@ -10,6 +10,7 @@ gateway on this path). Failures before the first byte raise `UpstreamFailed` (th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -116,10 +117,11 @@ def make_client(connect_s: float = 5.0) -> UpstreamClient:
 
 
 def upstream_request(
-    hop: Hop, body: dict[str, Any], request_id: str, stream: bool, traceparent: str | None = None
+    hop: Hop, body: dict[str, Any], request_id: str, stream: bool, extra: Mapping[str, str] | None = None
 ) -> tuple[str, bytes, dict[str, Any]]:
-    """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk; with
-    tracing, the W3C `traceparent` of the hop's span (gateway/request/tracing.py), which the upstream continues."""
+    """URL, JSON bytes and headers for this hop: model name mapped; engines asked for usage on every chunk; `extra`
+    headers the gateway adds for this hop (gateway/request/attempt.py: a trace's `traceparent`, the team an engine
+    schedules fairly by)."""
     inst = hop.instance
     out = dict(body)
     out["model"] = inst.upstream_model(hop.model)
@@ -129,8 +131,8 @@ def upstream_request(
             opts["continuous_usage_stats"] = True
         out["stream_options"] = opts
     headers = {"content-type": "application/json", "x-request-id": request_id, **inst.auth_headers()}
-    if traceparent is not None:
-        headers["traceparent"] = traceparent
+    if extra:
+        headers.update(extra)
     return inst.cfg.base_url, orjson.dumps(out), headers
 
 
@@ -141,11 +143,11 @@ async def call_json(
     body: dict[str, Any],
     request_id: str,
     deadline: float,
-    traceparent: str | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Non-stream request -> (parsed JSON, raw body): a 200 whose body is an answer (`answer_fault`); anything else
     is the hop's failure (UpstreamFailed) or the client's (UpstreamRejected). TimeoutError past the deadline."""
-    base, content, headers = upstream_request(hop, body, request_id, False, traceparent)
+    base, content, headers = upstream_request(hop, body, request_id, False, extra)
     async with asyncio.timeout_at(deadline):
         try:
             r = await client.request("POST", base + path, content, headers)
@@ -173,10 +175,10 @@ async def open_stream(
     body: dict[str, Any],
     request_id: str,
     deadline: float,
-    traceparent: str | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> SSEStream:
     """Send a stream request and wait for a 200 and its headers."""
-    base, content, headers = upstream_request(hop, body, request_id, True, traceparent)
+    base, content, headers = upstream_request(hop, body, request_id, True, extra)
     async with asyncio.timeout_at(deadline):
         try:
             response = await client.request("POST", base + path, content, headers)
