@@ -9,7 +9,7 @@ from tokenweir.common.engine_flags import API_KEY_ENV, KV_TRANSFER_KEY_ENV
 
 ENV_PREFIX = "TOKENWEIR_"
 CACHE_SCOPES = ("team", "key", "shared")  # PoolConfig.cache_scope
-FAIRNESS = ("tokens", "requests")  # PoolConfig.fairness: what the dispatch queue counts as service
+FAIRNESS = ("tokens", "requests", "fcfs")  # PoolConfig.fairness: what the dispatch queue shares between teams
 # TOKENWEIR_* variables read elsewhere, not settings (TOKENWEIR_TEST_* belong to the test suite).
 OTHER_ENV = frozenset(
     {

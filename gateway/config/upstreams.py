@@ -167,7 +167,8 @@ class PoolConfig:
         if self.cache_scope not in CACHE_SCOPES:
             raise ValueError(f"pool {self.model}: cache_scope must be one of {', '.join(CACHE_SCOPES)}")
         if self.fairness not in FAIRNESS or not 0 <= self.output_token_weight <= 100:
-            raise ValueError(f"pool {self.model}: fairness is 'tokens' or 'requests', 0 <= output_token_weight <= 100")
+            choices = ", ".join(FAIRNESS)
+            raise ValueError(f"pool {self.model}: fairness is one of {choices}, and 0 <= output_token_weight <= 100")
 
     def route_params(self, block_size: int = 16) -> RouteParams:
         """The routing policy's parameters (validated there) for a pool whose engines cache blocks of `block_size`."""

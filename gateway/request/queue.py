@@ -5,8 +5,9 @@ otherwise it waits as a future in its team's FIFO inside its priority band. When
 waiters is served, and inside it the team that has had the least service for its weight (policies/priority.py),
 counted in weighted tokens (`fairness: tokens`, VTC: a request's prompt tokens when it is let in, its output tokens
 times `output_token_weight` when it ends, whether it queued or found a slot free) or in requests (`fairness:
-requests`: each dispatch from the queue counts one). Each replica counts what it let in: with R replicas sharing a
-pool evenly, the service difference between two backlogged teams stays within R times one queue's bound.
+requests`: each dispatch from the queue counts one), or not shared at all (`fairness: fcfs`: one FIFO for every
+team of a band, first come first served, as vLLM's default). Each replica counts what it let in: with R replicas
+sharing a pool evenly, the service difference between two backlogged teams stays within R times one queue's bound.
 
 The number of waiters is bounded and each waiter has a deadline (`queue_timeout`). At the bound a request of a higher
 band takes the place of the latest-arrived waiter of the lowest-priority band below its own
@@ -41,6 +42,7 @@ class Ticket:
     priority: int
     enqueued_at: float  # time.monotonic()
     weight: int = 1  # the team's share
+    flow: str = ""  # whose FIFO it waits in and whose share it counts against: its team's (one for all, with fcfs)
     units: int = 1  # the service its dispatch counts: one request, or its prompt tokens (fairness: tokens)
     granted_at: float = 0.0
     released: bool = False
@@ -62,7 +64,7 @@ class _Waiter:
 @dataclass
 class _Band:
     scheduler: StrideScheduler = field(default_factory=StrideScheduler)
-    waiters: dict[str, deque[_Waiter]] = field(default_factory=dict)  # team -> FIFO (only non-empty ones)
+    waiters: dict[str, deque[_Waiter]] = field(default_factory=dict)  # flow -> FIFO (only non-empty ones)
 
 
 class DispatchQueue:
@@ -97,13 +99,14 @@ class DispatchQueue:
         ('displaced') when a request of a higher band takes this one's place in a full queue."""
         assert weight >= 1
         # clamp into the known bands: a client-chosen priority must not mint new bands (memory, O(bands) work)
-        ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic(), weight)
+        flow = "" if self.fairness == "fcfs" else team_id
+        ticket = Ticket(team_id, band_of(priority, PRIORITY_STANDARD), time.monotonic(), weight, flow=flow)
         if self.fairness == "tokens":
             ticket.units = max(1, prompt_tokens)  # a request of no prompt (an empty embedding input) still costs
         if self._queued == 0 and self._in_use < self.capacity:
             self._grant(ticket)
             if self.fairness == "tokens":  # service is service, queued or not: the counter sees all of it
-                self._bands.setdefault(ticket.priority, _Band()).scheduler.charge(team_id, ticket.units, weight)
+                self._bands.setdefault(ticket.priority, _Band()).scheduler.charge(flow, ticket.units, weight)
             return ticket
         if self._queued >= self.max_queued and not self._displace_for(ticket.priority):
             self.rejected_full += 1
@@ -145,7 +148,7 @@ class DispatchQueue:
             return
         if self.fairness == "tokens" and output_tokens > 0 and ticket.priority in self._bands:
             units = round(output_tokens * self.output_token_weight)
-            self._bands[ticket.priority].scheduler.charge(ticket.team_id, units, ticket.weight)
+            self._bands[ticket.priority].scheduler.charge(ticket.flow, units, ticket.weight)
         self._free(ticket)
         held = time.monotonic() - ticket.granted_at
         self._mean_hold_s += 0.1 * (held - self._mean_hold_s)
@@ -192,26 +195,26 @@ class DispatchQueue:
     def _enqueue(self, waiter: _Waiter, weight: int) -> None:
         ticket = waiter.ticket
         band = self._bands.setdefault(ticket.priority, _Band())
-        band.waiters.setdefault(ticket.team_id, deque()).append(waiter)
-        band.scheduler.activate(ticket.team_id, weight)
+        band.waiters.setdefault(ticket.flow, deque()).append(waiter)
+        band.scheduler.activate(ticket.flow, weight)
         self._queued += 1
         self._queued_by_team[ticket.team_id] = self._queued_by_team.get(ticket.team_id, 0) + 1
         self._dispatch()  # capacity may be free (set_capacity raced a full queue)
 
     def _unlink(self, waiter: _Waiter, band: _Band) -> None:
-        team = waiter.ticket.team_id
+        flow = waiter.ticket.flow
         waiter.queued = False
         self._queued -= 1
-        _dec(self._queued_by_team, team)
-        if not band.waiters.get(team):
-            band.waiters.pop(team, None)
-            band.scheduler.deactivate(team)
+        _dec(self._queued_by_team, waiter.ticket.team_id)
+        if not band.waiters.get(flow):
+            band.waiters.pop(flow, None)
+            band.scheduler.deactivate(flow)
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiter gave up (cancelled / timed out): unqueue it, or pass on a slot it was just handed."""
         if waiter.queued:
             band = self._bands[waiter.ticket.priority]
-            band.waiters[waiter.ticket.team_id].remove(waiter)
+            band.waiters[waiter.ticket.flow].remove(waiter)
             self._unlink(waiter, band)
         elif waiter.future.done() and not waiter.future.cancelled() and waiter.shed is None:
             # granted in the same instant it gave up: the next waiter gets the slot (a zero-length hold
@@ -232,7 +235,7 @@ class DispatchQueue:
         if victim is None:
             return False
         band = self._bands[victim.ticket.priority]
-        band.waiters[victim.ticket.team_id].remove(victim)
+        band.waiters[victim.ticket.flow].remove(victim)
         self._unlink(victim, band)
         self.displaced += 1
         retry = queue_retry_after(self._queued, self.capacity, self._mean_hold_s)

@@ -36,6 +36,10 @@ async def dispatch_order(fairness: str, n: int = 30) -> list[str]:
     return order
 
 
+async def test_fcfs_serves_in_arrival_order_whatever_the_team():
+    assert await dispatch_order("fcfs", 10) == ["heavy"] * 10 + ["light"] * 10
+
+
 async def test_by_requests_the_teams_alternate_and_by_tokens_the_short_team_goes_first():
     by_requests = await dispatch_order("requests")
     assert by_requests[:10] == ["heavy", "light"] * 5  # one request each, whatever it costs
