@@ -26,7 +26,8 @@ from tokenweir.gateway.config import AliasConfig, PoolConfig, UpstreamConfig, me
 from tokenweir.gateway.deps.services import Services, ServicesDep
 from tokenweir.gateway.runtime.routing_sync import Composed, alias_body, pool_body
 from tokenweir.gateway.store.routing import RoutingEntry
-from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, Instance, Pool, Routes
+from tokenweir.gateway.upstream.instance import CLOSED, HALF_OPEN, Instance
+from tokenweir.gateway.upstream.pools import Pool, Routes
 from tokenweir.policies.canary import PROMOTED, ROLLED_BACK, RolloutState
 
 router = APIRouter(route_class=OpenAIErrorRoute)

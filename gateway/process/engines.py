@@ -35,7 +35,8 @@ from tokenweir.gateway.config import BundledEngineConfig, GatewayConfig, PoolCon
 
 if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics
-    from tokenweir.gateway.upstream.pools import Instance, Upstreams
+    from tokenweir.gateway.upstream.instance import Instance
+    from tokenweir.gateway.upstream.pools import Upstreams
 
 
 def model_path_of(ec: BundledEngineConfig) -> str:
@@ -167,7 +168,7 @@ class EngineReplicas:
     app when it runs in this
     process, then `stop`).
 
-    A child that exits is restarted with doubling backoff. Meanwhile its instance is down (gateway/upstream/pools.py
+    A child that exits is restarted with doubling backoff. Meanwhile its instance is down (gateway/upstream/instance.py
     `Instance.mark_down`: circuit open, no probes, its prefix-index entries forgotten) until a /load poll answers
     again. Each exit is a warning log line (`engine_exited`: status, restart count, wait) and a count in
     `tokenweir_gateway_engine_restarts_total`. Its requests in flight lose their upstream connection: dispatch

@@ -25,8 +25,9 @@ from tokenweir.gateway.runtime.routing_sync import RoutingSync, alias_body
 from tokenweir.gateway.store.db import DB_ERRORS
 from tokenweir.gateway.store.routing import VersionConflict
 from tokenweir.gateway.store.store import Store
+from tokenweir.gateway.upstream.instance import OPEN
 from tokenweir.gateway.upstream.periodic import Periodic
-from tokenweir.gateway.upstream.pools import OPEN, Pool, Upstreams
+from tokenweir.gateway.upstream.pools import Pool, Upstreams
 from tokenweir.policies.canary import PROGRESSING, RolloutState, Summary, Thresholds, Window, advance, restarted
 
 if TYPE_CHECKING:

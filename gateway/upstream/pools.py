@@ -4,172 +4,36 @@ A hop is (public model, instance). The plan is: the model's pool instances (rank
 policies/routing.py: where the prompt's prefix is cached, least loaded, or in turn), then each configured fallback
 model's instances (least loaded first). The relay tries hops in order while a failure happens BEFORE the first
 byte; the hops it tried end up in the request's event as `route`.
+
+An instance's own state (its circuit, its load) is gateway/upstream/instance.py; the poll that refreshes its load is
+gateway/upstream/load_poll.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from tokenweir.common.logging import get_logger
 from tokenweir.common.text import prefix_hash
 from tokenweir.gateway.config import (
     AliasConfig,
-    BreakerConfig,
     GatewayConfig,
     PoolConfig,
     UpstreamConfig,
     routes_error,
 )
-from tokenweir.gateway.upstream.client import UpstreamClient, request_json, request_ok
+from tokenweir.gateway.upstream.client import UpstreamClient
+from tokenweir.gateway.upstream.instance import Instance
+from tokenweir.gateway.upstream.load_poll import awaiting_first_answer, poll_instance
 from tokenweir.gateway.upstream.prefix_index import PrefixIndex
 from tokenweir.policies import routing
 from tokenweir.policies.canary import RolloutState
 
 if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics
-
-CLOSED, OPEN, HALF_OPEN = 0, 1, 2  # the circuit-state gauge's values
-
-
-@dataclass
-class Instance:
-    cfg: UpstreamConfig
-    breaker: BreakerConfig
-    in_flight: int = 0
-    load: dict | None = None  # last /load answer (our engines only)
-    failures: int = 0  # consecutive
-    opened_at: float | None = None  # circuit open since (monotonic)
-    probing: bool = False  # a half-open probe is out
-    model: str = ""  # the pool it belongs to (metrics label)
-    metrics: Metrics | None = field(default=None, repr=False, compare=False)
-    index: PrefixIndex | None = field(default=None, repr=False, compare=False)  # its pool's (prefix routing)
-    evicted_epoch: str | None = None  # where this poller stands in the engine's eviction log (GET /load)
-    evicted_seq: int | None = None
-    # The process behind it is known to be gone (a supervised engine exited): circuit open, no probe, until a
-    # /load poll sent after that answers again (`mark_up`).
-    down_since: float | None = None
-    max_model_len: int | None = None  # our engine's context length, from its /v1/models (None: not known yet)
-    revision: str | None = None  # the model version it serves: configured, else its engine's digest (/load)
-    removed: bool = False  # it left a pool that stays (removed, or replaced): nothing new, whatever table routes
-
-    def __post_init__(self) -> None:
-        self.revision = self.cfg.revision
-
-    def learn_revision(self, revision: str) -> None:
-        """Its engine's model digest, from /load (unless a revision is configured): a new one replaces the old."""
-        if self.cfg.revision is not None or revision == self.revision:
-            return
-        if self.metrics is not None and self.revision is not None:
-            self.metrics.model_info.remove(self.model, self.name, self.revision)
-        self.revision = revision
-        self._report_revision()
-
-    def forget_metrics(self) -> None:
-        """It left the routing table: its gauges go (counters stay: a series that stops is what Prometheus expects)."""
-        if self.metrics is None:
-            return
-        with contextlib.suppress(KeyError):
-            self.metrics.circuit_state.remove(self.model, self.name)
-        if self.revision is not None:
-            with contextlib.suppress(KeyError):
-                self.metrics.model_info.remove(self.model, self.name, self.revision)
-
-    def _report_revision(self) -> None:
-        if self.metrics is not None and self.revision is not None:
-            self.metrics.model_info.labels(self.model, self.name, self.revision).set(1)
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    @property
-    def circuit(self) -> int:
-        if self.down_since is not None:
-            return OPEN
-        if self.opened_at is None:
-            return CLOSED
-        return HALF_OPEN if self.probing else OPEN
-
-    def _report(self) -> None:
-        if self.metrics is not None:
-            self.metrics.circuit_state.labels(self.model, self.name).set(self.circuit)
-
-    def upstream_model(self, public_model: str) -> str:
-        return self.cfg.model or public_model
-
-    def auth_headers(self) -> dict[str, str]:
-        """The instance's API key as a bearer header, on every call to it (requests, /abort, /load, /v1/models)."""
-        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-
-    def available(self, now: float) -> bool:
-        """Closed circuit; or open past its cooldown with no probe out yet (the caller becomes the probe). Never
-        while draining, nor once removed (those it serves finish; it takes no new ones)."""
-        if self.down_since is not None or self.cfg.draining or self.removed:
-            return False
-        if self.opened_at is None:
-            return True
-        return not self.probing and now - self.opened_at >= self.breaker.cooldown_s
-
-    def take(self, now: float) -> None:
-        if self.opened_at is not None:
-            self.probing = True
-        self.in_flight += 1
-        if self.metrics is not None:
-            self.metrics.hops.labels(self.model, self.name).inc()
-            self._report()
-
-    def done(self, ok: bool, now: float) -> None:
-        """Release after a dispatch: `ok` False means a failure of the instance (not of the request)."""
-        self.in_flight -= 1
-        self.probing = False
-        if ok:
-            self.failures, self.opened_at = 0, None
-        else:
-            self.failures += 1
-            if self.failures >= self.breaker.failures or self.opened_at is not None:
-                self.opened_at = now  # (re)open: a failed half-open probe restarts the cooldown
-            if self.metrics is not None:
-                self.metrics.upstream_failures.labels(self.model, self.name).inc()
-        self._report()
-
-    def mark_down(self, now: float) -> None:
-        """Its process exited: open the circuit (no half-open probe while it is down), forget its load and what the
-        prefix index says it caches (a restarted engine starts empty)."""
-        self.down_since = self.opened_at = now
-        self.failures = max(self.failures, self.breaker.failures)
-        self.load = self.max_model_len = None  # a restarted engine may serve another length: ask again
-        if self.index is not None:
-            self.index.forget_instance(self.name)
-        self._report()
-
-    def mark_up(self) -> None:
-        """Back (its /load answers again): the circuit closes."""
-        self.down_since = self.opened_at = None
-        self.failures, self.probing = 0, False
-        self._report()
-
-    def score(self) -> float:
-        """Lower is better. Engines report their queue; for others our own in-flight count is all we know."""
-        c = self.candidate(True)
-        return routing.load(c) + c.kv_usage
-
-    def candidate(self, available: bool, hit_blocks: int = 0) -> routing.Candidate:
-        load = self.load or {}
-        return routing.Candidate(
-            self.name,
-            available=available,
-            in_flight=self.in_flight,
-            running=int(load.get("num_running", 0) or 0),
-            waiting=int(load.get("num_waiting", 0) or 0),
-            kv_usage=float(load.get("kv_cache_usage", 0.0) or 0.0),
-            hit_blocks=hit_blocks,
-            prefix_capable=self.cfg.engine,
-        )
 
 
 @dataclass
@@ -483,62 +347,13 @@ class Upstreams:
 
     async def _poll_forever(self, client: UpstreamClient) -> None:
         while True:
-            polled = [i for p in self.pools.values() for i in p.instances if i.cfg.engine or _pending(i)]
-            await asyncio.gather(*(self._poll(client, i) for i in polled))
+            polled = [i for p in self.pools.values() for i in p.instances if i.cfg.engine or awaiting_first_answer(i)]
+            await asyncio.gather(*(poll_instance(client, i) for i in polled))
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll_pending(self) -> None:
         """Poll the discovered members that have not answered yet, now: a new address takes requests within a
         round trip of joining, not a poll interval."""
         if self._client is not None:
-            pending = [i for p in self.pools.values() for i in p.instances if _pending(i)]
-            await asyncio.gather(*(self._poll(self._client, i) for i in pending))
-
-    @staticmethod
-    async def _poll(client: UpstreamClient, inst: Instance) -> None:
-        sent = time.monotonic()
-        if not inst.cfg.engine:  # a discovered external member: up once its /health answers 2xx
-            if await request_ok(client, f"{inst.cfg.base_url}/health", headers=inst.auth_headers()) and _pending(inst):
-                inst.mark_up()
-                get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
-            return
-        query = ""
-        if inst.evicted_seq is not None and inst.evicted_epoch is not None:
-            query = f"?since={inst.evicted_seq}&epoch={inst.evicted_epoch}"
-        # None (unknown load) falls back to in-flight; failures count only on real requests
-        inst.load = await request_json(client, "GET", f"{inst.cfg.base_url}/load{query}", headers=inst.auth_headers())
-        if isinstance(inst.load, dict):
-            if inst.down_since is not None and sent > inst.down_since:  # answered after it went down: back up
-                inst.mark_up()
-                get_logger().info("upstream_up", model=inst.model, upstream=inst.name)
-            forget_evicted(inst, inst.load)
-            if isinstance(revision := inst.load.get("model_revision"), str):
-                inst.learn_revision(revision[:64])
-            if inst.max_model_len is None:
-                inst.max_model_len = await _model_len(client, inst)
-
-
-def _pending(inst: Instance) -> bool:
-    """A discovered member that has not answered a poll since it joined."""
-    return inst.cfg.discover and inst.down_since is not None
-
-
-async def _model_len(client: UpstreamClient, inst: Instance) -> int | None:
-    """The engine's context length, as its /v1/models reports it (`max_model_len` of its first model)."""
-    models = await request_json(client, "GET", f"{inst.cfg.base_url}/v1/models", headers=inst.auth_headers())
-    data = models.get("data") if isinstance(models, dict) else None
-    value = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def forget_evicted(inst: Instance, load: dict) -> None:
-    """What a /load answer says the engine evicted leaves the pool's prefix index. Another eviction log (the engine
-    restarted: its cache is empty) or a gap in this one (we fell behind) forgets all the index says it holds."""
-    if inst.index is None or "evicted_seq" not in load:
-        return
-    epoch, seq = load.get("evicted_epoch"), load.get("evicted_seq")
-    if inst.evicted_epoch is not None and (epoch != inst.evicted_epoch or not load.get("evicted_complete", True)):
-        inst.index.forget_instance(inst.name)
-    else:
-        inst.index.forget(inst.name, load.get("evicted_hashes") or ())
-    inst.evicted_epoch, inst.evicted_seq = epoch, seq
+            pending = [i for p in self.pools.values() for i in p.instances if awaiting_first_answer(i)]
+            await asyncio.gather(*(poll_instance(self._client, i) for i in pending))

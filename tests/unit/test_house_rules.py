@@ -24,9 +24,7 @@ MAX_FILE_LINES = 400
 MAX_CLASS_LINES = 300
 
 # Files over MAX_FILE_LINES when the rule came: path -> its line count then, a ceiling that may only come down.
-LONG_FILES: dict[str, int] = {
-    "gateway/upstream/pools.py": 544,
-}
+LONG_FILES: dict[str, int] = {}
 # Classes over MAX_CLASS_LINES then: "path:Class" ("path:Outer.Inner" when nested) -> their line count then.
 LONG_CLASSES: dict[str, int] = {
     "gateway/request/settle.py:Settler": 313,

@@ -8,7 +8,7 @@ from tokenweir.gateway.accounting.events import FIELDS, EventWriter, read_events
 from tokenweir.gateway.config import BreakerConfig, UpstreamConfig
 from tokenweir.gateway.request.relay import sse_error
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
-from tokenweir.gateway.upstream.pools import Instance
+from tokenweir.gateway.upstream.instance import Instance
 
 
 def chunk(content=None, usage=None, choices=True, finish=None) -> bytes:

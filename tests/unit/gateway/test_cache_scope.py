@@ -18,7 +18,8 @@ from tokenweir.gateway.openai.schema import CHAT, COMPLETION
 from tokenweir.gateway.request.cache_scope import cache_salt, with_salt
 from tokenweir.gateway.request.dispatch import Dispatcher
 from tokenweir.gateway.runtime.routing_sync import pool_body, pool_from_body
-from tokenweir.gateway.upstream.pools import Upstreams, forget_evicted
+from tokenweir.gateway.upstream.load_poll import forget_evicted
+from tokenweir.gateway.upstream.pools import Upstreams
 
 PROMPT = list(range(200)) + [7, 8, 9]
 

@@ -23,7 +23,9 @@ from tokenweir.gateway.config import (
 from tokenweir.gateway.process import cli
 from tokenweir.gateway.process import engines as serve_engines
 from tokenweir.gateway.process.supervisor import Child
-from tokenweir.gateway.upstream.pools import CLOSED, OPEN, Upstreams
+from tokenweir.gateway.upstream.instance import CLOSED, OPEN
+from tokenweir.gateway.upstream.load_poll import poll_instance
+from tokenweir.gateway.upstream.pools import Upstreams
 
 
 def test_replicas_from_the_file_and_env_and_validated(tmp_path):
@@ -176,9 +178,9 @@ async def test_the_circuit_closes_when_its_load_answers_again(tmp_path):
     replicas, upstreams, metrics = _replicas(tmp_path)
     e0 = upstreams.get("smollm2-135m").instances[0]
     replicas.on_exit(replicas.supervisor.children[0])
-    await Upstreams._poll(_Client(HTTPError("refused")), e0)  # still restarting
+    await poll_instance(_Client(HTTPError("refused")), e0)  # still restarting
     assert e0.circuit == OPEN
-    await Upstreams._poll(_Client(_Answer(200, {"num_running": 0, "num_waiting": 0})), e0)
+    await poll_instance(_Client(_Answer(200, {"num_running": 0, "num_waiting": 0})), e0)
     assert e0.circuit == CLOSED and e0.available(0) and e0.failures == 0
     labels = {"model": "smollm2-135m", "upstream": "engine-0"}
     assert metrics.registry.get_sample_value("tokenweir_gateway_upstream_circuit_state", labels) == CLOSED

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import BreakerConfig, GatewayConfig, PoolConfig, UpstreamConfig
-from tokenweir.gateway.upstream.pools import CLOSED, HALF_OPEN, OPEN, Upstreams
+from tokenweir.gateway.upstream.instance import CLOSED, HALF_OPEN, OPEN
+from tokenweir.gateway.upstream.pools import Upstreams
 
 
 def _value(metrics: Metrics, name: str, **labels) -> float | None:

@@ -11,7 +11,8 @@ from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
 from tokenweir.gateway.request.cache_scope import cache_salt
 from tokenweir.gateway.request.dispatch import Dispatcher
-from tokenweir.gateway.upstream.pools import Upstreams, forget_evicted
+from tokenweir.gateway.upstream.load_poll import forget_evicted
+from tokenweir.gateway.upstream.pools import Upstreams
 
 TEAM = list(range(200)) + [7, 8, 9]
 

@@ -20,7 +20,8 @@ from tokenweir.gateway.process.cli import load_config_or_exit
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.gateway.request.tracing import GatewayTracing, RequestTrace, gateway_tracing
-from tokenweir.gateway.upstream.pools import Hop, Instance
+from tokenweir.gateway.upstream.instance import Instance
+from tokenweir.gateway.upstream.pools import Hop
 from tokenweir.policies.limits import TeamLimits
 
 OTLP_INSTALLED = importlib.util.find_spec("opentelemetry.exporter") is not None
