@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenweir.gateway.config.base import STRICT
+from tokenweir.gateway.config.base import FAIRNESS, STRICT
 
 
 @dataclass
@@ -31,6 +31,8 @@ class BundledEngineConfig:
     # The bundled pool's route strategy (PoolConfig.route): prefix, least_loaded or round_robin; None: prefix.
     route: str | None = None
     cache_scope: str = "team"  # the bundled pool's PoolConfig.cache_scope: team, key or shared
+    capacity: int = 64  # the bundled pool's PoolConfig.capacity: requests dispatched at once, the rest queue
+    fairness: str = "tokens"  # the bundled pool's PoolConfig.fairness: tokens, requests or fcfs
     # Disaggregated prefill (`serve --prefill-engines M`): the first M replicas compute prompts (kv_producer, the
     # pool's prefill members), the others fetch their KV and decode (kv_consumer). 0: every replica does both.
     prefill_replicas: int = 0
@@ -44,6 +46,8 @@ class BundledEngineConfig:
             raise ValueError("engine: prefill_replicas leaves at least one of the replicas to decode")
         if self.route is not None and self.route not in ("prefix", "least_loaded", "round_robin"):
             raise ValueError(f"engine.route: expected prefix, least_loaded or round_robin, got {self.route!r}")
+        if self.capacity < 1 or self.fairness not in FAIRNESS:
+            raise ValueError(f"engine: capacity >= 1, and fairness one of {', '.join(FAIRNESS)}")
         if not 0 < self.restart_backoff_s <= self.restart_max_backoff_s:
             raise ValueError("engine: 0 < restart_backoff_s <= restart_max_backoff_s")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

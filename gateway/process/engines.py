@@ -110,7 +110,13 @@ def _cpus() -> int:
 def _bundled_pool(ec: BundledEngineConfig, model_path: str, upstreams: list[UpstreamConfig], models: dict):
     tokenizer = model_path if model_path and model_path.endswith(".gguf") else None
     pool = PoolConfig(
-        model=ec.model_name, upstreams=upstreams, tokenizer=tokenizer, route=ec.route, cache_scope=ec.cache_scope
+        model=ec.model_name,
+        upstreams=upstreams,
+        tokenizer=tokenizer,
+        route=ec.route,
+        cache_scope=ec.cache_scope,
+        capacity=ec.capacity,
+        fairness=ec.fairness,
     )
     # The engine knows its context window (model and KV pool): the gateway enforces it before dispatch.
     pool.max_context = ((models.get("data") or [{}])[0]).get("max_model_len")

@@ -65,3 +65,16 @@ async def test_a_slot_found_free_counts_as_service_only_by_tokens(fairness):
     assert first.team_id == ("late" if fairness == "tokens" else "early")
     q.release(first)
     q.release(await asyncio.wait_for(next(t for t in waiting if not t.done()), 1))
+
+
+def test_a_pool_or_the_bundled_engines_names_a_known_fairness():
+    from tokenweir.gateway.config import PoolConfig
+    from tokenweir.gateway.config.engine import BundledEngineConfig
+
+    with pytest.raises(ValueError, match="fairness is one of tokens, requests, fcfs"):
+        PoolConfig(model="m", fairness="lottery")
+    with pytest.raises(ValueError, match="output_token_weight"):
+        PoolConfig(model="m", output_token_weight=-1)
+    with pytest.raises(ValueError, match="fairness one of tokens, requests, fcfs"):
+        BundledEngineConfig(fairness="lottery")
+    assert PoolConfig(model="m").fairness == BundledEngineConfig().fairness == "tokens"
