@@ -171,6 +171,9 @@ class EngineConfig:
     # which waiting request starts next, within a priority: "fcfs" (or "priority": the same) the earliest arrival;
     # "shortest-prompt" the one whose prompt would be done first if started at its arrival (Scheduler.admission_key)
     scheduling_policy: str = "fcfs"
+    # token fairness between the gateway's tenants (engine/sched/fairness.py, VTC): an output token counts this many
+    # prompt tokens in a tenant's service (2.0, as in the VTC paper's experiments)
+    fairness_output_weight: float = 2.0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill
     attention_backend: str | None = None  # torch | triton | None (auto: triton on CUDA)
@@ -183,6 +186,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: a power of two"
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold: 0 (off) or more"
+        assert self.fairness_output_weight >= 0, "fairness_output_weight: 0 or more"
         assert self.scheduling_policy in SCHEDULING_POLICIES, (
             f"scheduling_policy: one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
         )

@@ -198,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         "arrived within its own compute time; lowers the median TTFT of mixed bursts, raises the longest ones')",
     )
     p.add_argument(
+        "--fairness-output-weight",
+        type=float,
+        default=d.fairness_output_weight,
+        help="token fairness between tenants (VTC): requests carrying the gateway's "
+        "x-gateway-inference-fairness-id header start, within a priority, least-served tenant first, served counted "
+        "as prompt tokens computed + this weight x output tokens (an output token costs more than a prompt token)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=parse_speculative,
         default=None,
@@ -329,6 +337,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
+        fairness_output_weight=args.fairness_output_weight,
         speculative=args.speculative_config,
         kv_transfer=kv_transfer(args),
         attention_backend=None if args.attention_backend == "auto" else args.attention_backend,

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenweir.common.http.disconnect import wait_disconnect
+from tokenweir.common.http.fairness_id import FAIRNESS_ID_HEADER, MAX_FAIRNESS_ID_CHARS
 from tokenweir.common.text import prefix_hash
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.api.choices import ChatRenderer, CompletionRenderer
@@ -244,8 +245,11 @@ def start(
 ) -> RequestStream:
     """Hand the request to the engine under the id the middleware chose; a refusal names the prompt as the client
     sent it (`messages` for chat, `prompt` for a text completion)."""
+    fairness_id = fairness_header(request)
     try:
-        stream = engine.add_request(request.state.request_id, prompt, body.sampling_params(), body.priority)
+        stream = engine.add_request(
+            request.state.request_id, prompt, body.sampling_params(), body.priority, fairness_id=fairness_id
+        )
     except RequestError as exc:
         if exc.param in ("prompt", "messages"):
             exc.param = prompt_param
@@ -254,6 +258,21 @@ def start(
         raise
     trace_request(request.scope, stream)
     return stream
+
+
+def fairness_header(request: Request) -> str | None:
+    """The request's tenant for token fairness (engine/sched/fairness.py), from the gateway's header; None without
+    one (or an empty one). Trusted as sent: only the gateway holds the engine's API key. Too long a one is a 400, as
+    any bad input: it would be a /metrics label and a key the engine keeps."""
+    value = request.headers.get(FAIRNESS_ID_HEADER)
+    if value and len(value) > MAX_FAIRNESS_ID_CHARS:
+        raise APIError(
+            400,
+            f"the {FAIRNESS_ID_HEADER} header has {len(value)} characters; at most {MAX_FAIRNESS_ID_CHARS} are allowed",
+            "invalid_fairness_id",
+            FAIRNESS_ID_HEADER,
+        )
+    return value or None
 
 
 def whole_response(

@@ -101,6 +101,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    fairness_id: str | None = None
 
 
 @dataclass
@@ -228,10 +229,16 @@ class AsyncEngine:
     # --- called on the event loop -----------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        fairness_id: str | None = None,
     ) -> RequestStream:
         """Check the request against the engine's limits (RequestError) and queue it; its outputs arrive on the
-        returned stream. Not async, so a bad request fails before a streaming response sends its first byte."""
+        returned stream. Not async, so a bad request fails before a streaming response sends its first byte.
+        `fairness_id`: its tenant for token fairness (the caller bounds its length)."""
         if self.errored is not None:
             raise EngineDeadError(self.errored, in_flight=False)
         self.engine.validate(prompt_token_ids, params)  # reads only fixed limits: safe off the engine thread
@@ -239,7 +246,7 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already running", code="duplicate_request_id")
         stream = RequestStream(request_id, len(prompt_token_ids), self._close_stream)
         self._streams[request_id] = stream
-        self._send(_Add(request_id, prompt_token_ids, params, priority, time.monotonic()))
+        self._send(_Add(request_id, prompt_token_ids, params, priority, time.monotonic(), fairness_id))
         return stream
 
     async def abort(self, request_id: str) -> RequestOutput | None:
@@ -349,7 +356,12 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.priority, command.arrival_time
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.priority,
+                command.arrival_time,
+                fairness_id=command.fairness_id,
             )
         except Exception as exc:  # this request cannot start: it fails, the loop goes on
             log.exception("request %s failed to start", command.request_id)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from tokenweir.common.http.fairness_id import MAX_FAIRNESS_ID_CHARS
 from tokenweir.common.text.model_files import default_model_path, model_digest
 from tokenweir.common.text.tokenizer import Tokenizer
 from tokenweir.engine.config import EngineConfig
@@ -26,6 +27,7 @@ from tokenweir.engine.core.output_processor import OutputProcessor
 from tokenweir.engine.core.request_checks import check_kv_transfer, check_request
 from tokenweir.engine.kv_transfer.coordinator import KVTransferCoordinator
 from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.fairness import VirtualTokenCounter
 from tokenweir.engine.sched.sampling_params import SamplingParams
 from tokenweir.engine.sched.scheduler import Scheduler, SchedulerOutput
 from tokenweir.engine.sched.sequence import Sequence
@@ -78,6 +80,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             shortest_prompt_first=config.scheduling_policy == "shortest-prompt",
         )
+        self.scheduler.fairness = VirtualTokenCounter(output_weight=config.fairness_output_weight)
         self.speculator: Speculator | None = None
         if config.speculative is not None:
             vocab_size = self.model_config.vocab_size
@@ -141,10 +144,13 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        fairness_id: str | None = None,
     ) -> Sequence:
         """Queue a request that passed `validate`; returns its (first) sequence. n > 1 queues one sequence per choice,
-        the later ones held until the first has prefilled the prompt they share (through the prefix cache)."""
+        the later ones held until the first has prefilled the prompt they share (through the prefix cache).
+        `fairness_id`: the tenant whose token-fairness counter its tokens count in (engine/sched/fairness.py)."""
         assert params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens <= self.max_model_len
+        assert fairness_id is None or len(fairness_id) <= MAX_FAIRNESS_ID_CHARS
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         group = self.output_processor.add_request(request_id).choices  # first: a failure half-way is cleaned up
         for index in range(params.n):
@@ -161,6 +167,7 @@ class LLMEngine:
                 index=index,
                 wait_for=lead,
             )
+            seq.fairness_id = fairness_id
             if choice.structured is not None:
                 seq.matcher = self.structured.matcher(self.structured.compile(choice.structured))
             if index == 0 and self.kv_transfer is not None:  # the first choice carries the prompt's KV for the others

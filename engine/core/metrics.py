@@ -120,6 +120,22 @@ class EngineMetrics:
             ["model_name", "position"],
             registry=r,
         )
+        # Token fairness (engine/sched/fairness.py), by the gateway's fairness id: at most MAX_LABELLED_IDS ids by
+        # name, the rest summed as "(other)" (every label value is a series Prometheus keeps: a bound keeps a
+        # thousand tenants, or a fresh id per request, from flooding it); "(none)": requests without one.
+        self.fairness_tokens = Counter(
+            "tokenweir:fairness_weighted_tokens",
+            "Weighted tokens served per fairness id (prompt tokens computed + output weight x output tokens).",
+            ["model_name", "fairness_id"],
+            registry=r,
+        )
+        self.fairness_counter = Gauge(
+            "tokenweir:fairness_virtual_counter",
+            "The fairness id's virtual token counter (its service, lifted on return from idle); the least-served "
+            "waiting id starts next.",
+            ["model_name", "fairness_id"],
+            registry=r,
+        )
         self.kv_pinned_blocks = gauge("kv_transfer_pinned_blocks", "KV blocks pinned for decode engines to fetch.")
         self.kv_pins_served = counter("kv_transfer_served", "Prompts' KV fetched from here by decode engines.")
         self.kv_pins_expired = counter("kv_transfer_expired", "Pinned prompts' KV freed unfetched, at its timeout.")
@@ -142,6 +158,7 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self.kv_pinned_blocks.set(stats.kv_pinned_blocks)
+        self._observe_fairness(stats)
         for name in (
             "kv_pins_served",
             "kv_pins_expired",
@@ -153,6 +170,13 @@ class EngineMetrics:
         ):
             getattr(self, name).inc(getattr(stats, name) - getattr(self._last, name))
         self._last = stats
+
+    def _observe_fairness(self, stats: SchedulerStats) -> None:
+        served = {share.label: share.served for share in self._last.fair_shares}
+        for share in stats.fair_shares:
+            labels = (self.model_name, share.label)
+            self.fairness_tokens.labels(*labels).inc(max(share.served - served.get(share.label, 0.0), 0.0))
+            self.fairness_counter.labels(*labels).set(share.counter)
 
     def observe_step(self, stats: StepStats, now: float) -> None:
         if stats.num_tokens:

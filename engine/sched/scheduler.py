@@ -8,6 +8,11 @@ remaining token budget, so a long prompt never stalls the streams already runnin
 lowest-priority, latest-arriving running sequence is preempted (its blocks freed; it is recomputed later, mostly from
 the prefix cache).
 
+Token fairness (engine/sched/fairness.py, VTC): while sequences of two fairness ids or more are queued, within a
+priority the waiting sequence of the least-served id starts first, and the preemption victim at the lowest priority
+is the latest sequence of the most-served id; `update` charges each id for the tokens computed and sampled. Without
+fairness ids (or with one), the order above is unchanged.
+
 `update` is the post-step bookkeeping (nano-vllm's `postprocess`, vLLM's `update_from_output`): advance each
 sequence's computed tokens, append its sampled token, and finish and free it on EOS, a stop token id, max_tokens or
 the context limit. Stop strings are not checked here: they need detokenized text (see OutputProcessor.process).
@@ -21,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokenweir.engine.sched.block_manager import BlockManager
+from tokenweir.engine.sched.fairness import VirtualTokenCounter
 from tokenweir.engine.sched.sequence import Sequence, SequenceStatus, TokenLogprob
 from tokenweir.engine.sched.stats import SchedulerStats
 
@@ -81,6 +87,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.fairness = VirtualTokenCounter()  # service per fairness id (LLMEngine sets its output weight)
         # disaggregated prefill: a producer pins its finished prefill hops' blocks (`pin` keeps them, set by the
         # engine); a consumer's decode hops wait in `fetching` while their prompt's KV arrives (`new_fetches`: those
         # this schedule set blocks aside for)
@@ -90,6 +97,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.fairness.join_seq(seq)
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def admission_key(self, seq: Sequence) -> tuple[int, float]:
@@ -105,10 +113,9 @@ class Scheduler:
             self.tokens_per_s += self.PACE_WEIGHT * (num_tokens / seconds - self.tokens_per_s)
 
     def _next_waiting(self) -> Sequence | None:
-        ready = (s for s in self.waiting if not s.is_held)
-        if self.shortest_prompt_first:
-            return min(ready, key=self.admission_key, default=None)
-        return next(ready, None)  # the waiting list is in (priority, arrival) order
+        """By priority; then the least-served fairness id's first; then by arrival or `admission_key`."""
+        ready = (s for s in self.waiting if not s.is_held)  # in (priority, arrival) order, as the waiting list
+        return self.fairness.next_waiting(ready, self.admission_key if self.shortest_prompt_first else None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.fetching)
@@ -125,6 +132,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            fair_shares=self.fairness.shares(),
         )
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -144,6 +152,7 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.fairness.leave_seq(seq)
 
     def fetched(self, seq: Sequence, ok: bool) -> None:
         """A fetch of `seq`'s prompt KV ended. With its blocks filled, it runs from the prompt's last token (computed
@@ -185,7 +194,7 @@ class Scheduler:
                 if drafts:
                     drafts = []
                     continue
-                victim = queue.pop() if queue else seq
+                victim = self.fairness.pop_victim(queue, seq)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -218,8 +227,8 @@ class Scheduler:
             if not self.chunked_prefill and num_new < seq.num_tokens - num_cached:
                 break  # its whole prompt waits for a step with room for all of it
             if not self.block_manager.allocate_slots(seq, num_new, cached):
-                victim = max(self.running, key=Sequence.sort_key, default=None)
-                if victim is None or victim.sort_key() <= seq.sort_key():
+                victim = self.fairness.outranked(self.running, seq)
+                if victim is None:
                     break
                 # A more urgent request is waiting for memory held by a less urgent one.
                 budget += next((n for s, n in scheduled if s is victim), 0)
@@ -227,17 +236,7 @@ class Scheduler:
                 self.running.remove(victim)
                 self._preempt(victim, out)
                 continue
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-            if seq.num_preemptions == 0:
-                # Its first scheduling: the one prefix-cache query this request counts for. Lookups that found no
-                # room for it, and a preempted sequence's lookup on its way back, are not new queries (as in vLLM).
-                seq.num_cached_tokens = num_cached
-                self.block_manager.record_prefix_query(seq.num_tokens, num_cached)
-            self.running.append(seq)
+            self._admit(seq, num_cached, num_new)
             scheduled.append((seq, num_new))
             budget -= num_new
 
@@ -266,6 +265,7 @@ class Scheduler:
         Returns the sequences that got a token, in batch order."""
         logprobs = logprobs or {}
         now = time.monotonic()
+        self.fairness.charge_computed(batch.scheduled())  # before the sequences advance past what the step computed
         stepped: list[Sequence] = []
         for seq, num_tokens in batch.scheduled():
             num_drafts = len(seq.draft_token_ids)
@@ -290,6 +290,7 @@ class Scheduler:
                 seq.first_token_time = now
             seq.last_token_time = now
             stepped.append(seq)
+        self.fairness.charge_sampled(stepped)
         return stepped
 
     def _stopped(self, seq: Sequence, token_id: int) -> bool:
@@ -302,6 +303,21 @@ class Scheduler:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
         return seq.is_finished
+
+    def _admit(self, seq: Sequence, num_cached: int, num_new: int) -> None:
+        """A waiting sequence got blocks for `num_new` tokens past its `num_cached`: it runs."""
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_cached
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        if seq.num_preemptions == 0:
+            # Its first scheduling: the one prefix-cache query this request counts for. Lookups that found no room
+            # for it, and a preempted sequence's lookup on its way back, are not new queries (as in vLLM).
+            seq.num_cached_tokens = num_cached
+            self.block_manager.record_prefix_query(seq.num_tokens, num_cached)
+        self.fairness.reserve_seq(seq, num_new)  # the next waiting one is chosen with this chunk counted
+        self.running.append(seq)
 
     def _chunk_limit(self, seq: Sequence, budget: int) -> int:
         """The most tokens `seq` may compute this step."""

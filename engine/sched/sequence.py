@@ -56,6 +56,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.priority = priority
+        # token fairness (engine/sched/fairness.py): the tenant whose service counter this sequence's tokens count
+        # in (set by LLMEngine.add_request; None: the id-less group), and how far into its prompt it has been charged
+        self.fairness_id: str | None = None
+        self.num_charged_prompt_tokens = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache

@@ -8,6 +8,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenweir.engine.sched.fairness import FairShare
 from tokenweir.engine.sched.sequence import Sequence
 
 
@@ -25,6 +26,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up, once per request (at its first scheduling)
     prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    # token fairness: per fairness id (a bounded set of labels), weighted tokens served in all and the counter now
+    fair_shares: tuple[FairShare, ...] = ()
     # disaggregated prefill: what a producer pins and serves, what a consumer fetches (LLMEngine.make_stats)
     kv_pinned_blocks: int = 0
     kv_pins_served: int = 0

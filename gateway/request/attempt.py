@@ -12,15 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenweir.common.http.fairness_id import FAIRNESS_ID_HEADER
 from tokenweir.common.ids import random_hex
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.client import UpstreamClient
 from tokenweir.gateway.upstream.pools import Hop
 from tokenweir.gateway.upstream.sse import SSEStream
-
-# The header an engine reads the request's fairness id from (llm-d's name): the team, which its scheduler shares
-# tokens between. Only the gateway reaches an engine (its API key), and only the gateway sets it.
-FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 
 
 def new_upstream_id() -> str:

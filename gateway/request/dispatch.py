@@ -28,7 +28,7 @@ from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.cache_scope import request_salt, with_salt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.deadlines import Deadlines
-from tokenweir.gateway.request.prefill_hop import PrefillHop, takes_kv
+from tokenweir.gateway.request.prefill_hop import PrefillHop, fairness_id, takes_kv
 from tokenweir.gateway.request.request_end import RequestEnd
 from tokenweir.gateway.request.settle import Settler
 from tokenweir.gateway.request.shadow import ShadowMirror
@@ -160,7 +160,7 @@ class Dispatcher:
         if ctx.prefill_pin is not None and not takes_kv(ctx, hop):
             self.prefill.release(ctx)  # a hop that computes the prompt itself: nobody will fetch the KV
         budget.start_ttft_clock()  # the first hop out starts it; a later one spends what is left
-        attempt = Attempt(hop, self.client, lease, fairness_id=ctx.team_id)
+        attempt = Attempt(hop, self.client, lease, fairness_id=fairness_id(ctx, hop))
         ctx.start_attempt(attempt)
         if ctx.trace is not None:
             ctx.trace.start_hop("hop", hop)

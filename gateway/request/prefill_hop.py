@@ -30,6 +30,12 @@ def takes_kv(ctx: RequestContext, hop: Hop) -> bool:
     return ctx.kv_transfer_params is not None and hop.instance.cfg.role == "decode" and not hop.fallback
 
 
+def fairness_id(ctx: RequestContext, hop: Hop) -> str | None:
+    """Whose service the hop is, for our engine's token-fair scheduler: the team, where the hop's pool shares by
+    tokens (a pool that shares by requests or first come leaves its engines scheduling as they would without)."""
+    return ctx.team_id if ctx.pools[hop.model].cfg.fairness == "tokens" else None
+
+
 class PrefillHop:
     def __init__(
         self,
@@ -48,7 +54,7 @@ class PrefillHop:
         budget.start_ttft_clock()
         deadline = budget.first_token()
         for hop in (h for h in ctx.prefill_hops if not h.instance.removed):  # checked as each goes out
-            attempt = Attempt(hop, self.client, fairness_id=ctx.team_id)
+            attempt = Attempt(hop, self.client, fairness_id=fairness_id(ctx, hop))
             hop.instance.take(time.monotonic())
             traceparent = None
             if ctx.trace is not None:

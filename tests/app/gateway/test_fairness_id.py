@@ -27,6 +27,7 @@ def stack(tmp_path_factory):
             pools=[
                 PoolConfig(model="ours", upstreams=[UpstreamConfig(engine.url, engine=True)]),
                 PoolConfig(model="theirs", upstreams=[UpstreamConfig(external.url, engine=False)]),
+                PoolConfig(model="fifo", upstreams=[UpstreamConfig(engine.url, engine=True)], fairness="fcfs"),
             ],
             events=EventsConfig(path=str(tmp / "events.jsonl"), flush_interval_s=0.05),
         )
@@ -50,3 +51,10 @@ def test_an_external_upstream_is_not_told_the_team(stack):
     r = httpx.post(stack["url"] + "/v1/completions", json=body, headers=headers, timeout=10)
     assert r.status_code == 200, r.text
     assert stack["external"].fairness_ids[-1] is None
+
+
+def test_a_pool_not_fair_by_tokens_leaves_its_engines_as_they_were(stack):
+    body = {"model": "fifo", "prompt": [1, 2, 3], "max_tokens": 2}
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, headers={"authorization": f"Bearer {stack['key']}"})
+    assert r.status_code == 200, r.text
+    assert stack["engine"].fairness_ids[-1] is None
