@@ -105,6 +105,21 @@ class TokenCounter:
             return [len(prompt)]
         return [len(p) if isinstance(p, list) else self.count_text(str(p)) for p in prompt or []] or [0]
 
+    def completion_prompts(self, prompt) -> tuple[list[int], list[int] | None]:
+        """`count_prompts`, and where the prompt is one string counted exactly, its ids as the engine computes them
+        (its BOS first where the model adds one), so that prefix routing need not tokenize it again
+        (gateway/openai/prompt_ids.py); None for a batch, token ids (routing takes those as they are) or an
+        estimate."""
+        text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+        if not isinstance(text, str) or not self.exact:
+            return self.count_prompts(prompt), None
+        assert self.tokenizer is not None  # loaded whenever the counts are exact
+        ids = self.tokenizer.encode(text)
+        count = len(ids)
+        if self.tokenizer.add_bos_token and self.tokenizer.bos_token_id is not None:
+            ids = [self.tokenizer.bos_token_id, *ids]
+        return [count], ids
+
     def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
         """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,
         raising UnsupportedContent)."""

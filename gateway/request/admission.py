@@ -167,10 +167,16 @@ class Admission:
 
     def count_prompt(self, ctx: RequestContext) -> None:
         counter = self.counters(ctx.model)
-        if ctx.kind != "chat":  # an embeddings input has a completion prompt's shapes, and is counted the same
-            counts = counter.count_prompts(ctx.body["input" if ctx.kind == "embeddings" else "prompt"])
+        if ctx.kind == "embeddings":  # an input has a completion prompt's shapes, and is counted the same
+            counts = counter.count_prompts(ctx.body["input"])
             ctx.prompt_tokens, ctx.longest_prompt = sum(counts), max(counts)
-            ctx.prompts = len(counts) if ctx.kind == "completions" else 1
+            return
+        if ctx.kind == "completions":
+            counts, ids = counter.completion_prompts(ctx.body["prompt"])
+            ctx.prompt_tokens, ctx.longest_prompt, ctx.prompts = sum(counts), max(counts), len(counts)
+            if ids is not None:  # an exact count of one string: the engine's ids, kept for prefix routing
+                assert counter.tokenizer_path is not None
+                ctx.prompt_ids = (counter.tokenizer_path, ids)
             return
         pool = ctx.pools[ctx.model].cfg
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.

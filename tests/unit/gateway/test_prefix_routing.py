@@ -183,6 +183,42 @@ def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without
     assert dispatcher.route(ctx)[1] == hashes
 
 
+def test_a_completions_count_gives_the_engines_ids_and_routing_uses_them_without_tokenizing_again():
+    """A /v1/completions prompt of one string is tokenized once too: the count's ids are what prefix routing would
+    have made (and what the engine computes); a batch, or token ids, gives none (routing reads token ids as they
+    are)."""
+    pytest.importorskip("gguf")
+    from tokenweir.gateway.openai.prompt_ids import _tokenizer, prompt_token_ids
+    from tokenweir.gateway.openai.token_count import TokenCounter
+
+    tok, counter = _tokenizer("default"), TokenCounter("default")
+    text = "Once upon a time, " * 30
+    counts, ids = counter.completion_prompts(text)
+    assert ids == prompt_token_ids("default", "completions", {"prompt": text}) and counts == counter.count_prompts(text)
+    assert counter.completion_prompts([text]) == (counts, ids)
+    assert counter.completion_prompts([text, "b"])[1] is None and counter.completion_prompts([1, 2, 3])[1] is None
+    assert TokenCounter(None).completion_prompts(text)[1] is None  # an estimate names no ids
+
+    upstreams = _upstreams()
+    upstreams.pools["m"].cfg.tokenizer = "default"
+    dispatcher = Dispatcher(GatewayConfig(), upstreams, None, Metrics(), None, None, None, None)
+    encoded: list[str] = []
+    real = tok.encode
+    tok.encode = lambda s, **kw: encoded.append(s) or real(s, **kw)
+    try:
+        ctx = SimpleNamespace(
+            model="m", kind="completions", body={"model": "m", "prompt": text}, route_reason=None,
+            context_fallback=None, prompt_ids=("default", ids), alias=None, routes=upstreams.routes,
+            pools=upstreams.pools, team_id="t", key_id="k",
+        )  # fmt: skip
+        _, hashes = dispatcher.route(ctx)
+    finally:
+        del tok.encode
+    assert encoded == []  # routing hashed the count's ids
+    ctx.prompt_ids, ctx.route_reason = None, None
+    assert dispatcher.route(ctx)[1] == hashes  # the same hashes as tokenizing again
+
+
 def test_prompt_ids_match_the_engines_own_encoding():
     """The gateway tokenizes a chat as the engine will (engine/api/protocol.py to_template + encode_chat), so its block
     hashes name the engine's cache keys."""
