@@ -68,12 +68,19 @@ class Sent:
         )
 
 
-def shapes(scale: float) -> list[Shape]:
-    """The three teams; `scale` multiplies the arrival rates (the engine run sends less than the fake one)."""
+def shapes(engine: bool) -> list[Shape]:
+    """The three teams: for fake engines (their time is a knob), or sized for SmolLM2 on a 2-core CPU (a word of
+    these prompts is ~5 tokens; the heavy prompt ~700 tokens of the engines' 2048)."""
+    if engine:
+        return [
+            Shape("heavy", 110, 30, 64, 2.0, 1, 1, 20.0, 0.5),
+            Shape("interactive", 12, 4, 8, 0.1, 4, 1, 2.0, 0.5),
+            Shape("batch", 40, 10, 16, 0.1, 1, 2, 120.0, 2.0),
+        ]
     return [
-        Shape("heavy", 900, 200, 120, 2.5 * scale, 1, 1, 10.0, 0.2),
-        Shape("interactive", 40, 12, 12, 0.125 * scale, 4, 1, 1.0, 0.1),
-        Shape("batch", 250, 50, 48, 0.25 * scale, 1, 2, 60.0, 1.0),
+        Shape("heavy", 900, 200, 120, 2.5, 1, 1, 10.0, 0.2),
+        Shape("interactive", 40, 12, 12, 0.125, 4, 1, 1.0, 0.1),
+        Shape("batch", 250, 50, 48, 0.25, 1, 2, 60.0, 1.0),
     ]
 
 
@@ -183,7 +190,6 @@ class Summary:
     hit_rate: float = 0.0
     locality: float = 0.0
     output_tok_s: float = 0.0
-    curve: list[tuple[float, float]] = field(default_factory=list)  # (t, heavy - interactive service) for the plot
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -209,7 +215,7 @@ def summarize(policy: str, records: list[Sent], all_shapes: list[Shape], duratio
     ends = [r.end for r in records if r.end is not None]
     span = max(ends) if ends else duration_s
     s.output_tok_s = sum(r.completion_tokens for r in records if r.status == 200) / span
-    s.max_gap, s.curve, both = service_gap(records, "heavy", "interactive")
+    s.max_gap, both = service_gap(records, "heavy", "interactive")
     s.jain = sum(both) ** 2 / (len(both) * sum(x * x for x in both)) if any(both) else 1.0
     done = [r for r in records if r.status == 200 and r.team in ("heavy", "interactive")]
     most = max((r.prompt_tokens + W_OUT * r.completion_tokens for r in done), default=0)
@@ -218,10 +224,10 @@ def summarize(policy: str, records: list[Sent], all_shapes: list[Shape], duratio
     return s
 
 
-def service_gap(records: list[Sent], a: str, b: str) -> tuple[float, list[tuple[float, float]], list[float]]:
+def service_gap(records: list[Sent], a: str, b: str) -> tuple[float, list[float]]:
     """The largest |service(a) - service(b)| gained over any interval in which both teams had a request waiting in
-    the queue, service counted as the gateway charges it (prompt at dispatch, weighted output at the end); the
-    difference over time, for the plot; and the service each gained while both waited."""
+    the queue, service counted as the gateway charges it (prompt at dispatch, weighted output at the end); and the
+    service each gained while both waited."""
     steps: list[tuple[float, int, float]] = []  # (time, sign, weighted tokens)
     waiting: list[tuple[float, int, str]] = []  # (time, +1 starts / -1 stops waiting, team)
     for r in records:
@@ -234,14 +240,13 @@ def service_gap(records: list[Sent], a: str, b: str) -> tuple[float, list[tuple[
             waiting += [(r.at, 1, r.team), (dispatched, -1, r.team)]
     events = sorted([(t, 0, sign * w, "") for t, sign, w in steps] + [(t, 1, d, team) for t, d, team in waiting])
     count = {a: 0, b: 0}
-    diff, worst, low, high, curve = 0.0, 0.0, None, None, []
+    diff, worst, low, high = 0.0, 0.0, None, None
     gained = {a: 0.0, b: 0.0}
-    for t, kind, value, team in events:
+    for _at, kind, value, team in events:
         if kind == 0:
             if count[a] > 0 and count[b] > 0:
                 gained[a if value > 0 else b] += abs(value)
             diff += value
-            curve.append((t, diff))
         else:
             count[team] += int(value)
         if count[a] > 0 and count[b] > 0:  # both backlogged: the gap gained since the interval began
@@ -250,4 +255,4 @@ def service_gap(records: list[Sent], a: str, b: str) -> tuple[float, list[tuple[
             worst = max(worst, high - low)
         else:
             low = high = None
-    return worst, curve, [gained[a], gained[b]]
+    return worst, [gained[a], gained[b]]
