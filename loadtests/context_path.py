@@ -49,7 +49,7 @@ def measure(code_root: str, stream: bool) -> dict[str, int]:
         if frame.f_code.co_name == "__setattr__":  # the context guarding its own fields: every write, not a stage
             return
         for value in frame.f_locals.values():
-            if type(value).__name__ == "RequestContext":
+            if type(value).__name__ in ("RequestContext", "SealedRequestContext"):  # sealed at admission
                 seen.append(value) if not seen else None
                 if value is seen[0]:
                     counts[path.split("/gateway/", 1)[1]] += 1

@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections.abc import MutableMapping
 from dataclasses import FrozenInstanceError, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tokenweir.common.http.request_id import request_id_from
 from tokenweir.gateway.accounting.request_event import clip
@@ -83,8 +83,6 @@ class RequestRecord:
     team, key and model may be unknown: None), as has one a dead process left and its restart settles
     (gateway/request/inflight.py); an admitted one has the whole `RequestContext`."""
 
-    # True once admission fixed ADMITTED_FACTS (first, so that __init__ sets it before any of them)
-    sealed: bool = False
     request_id: str
     kind: InferenceKind
     t0: float  # time.perf_counter() at arrival: every duration is measured on it
@@ -130,11 +128,6 @@ class RequestRecord:
     steered: bool = False  # the variant was picked by the x-tokenweir-variant header: no rollout judges it
     # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
     trace: RequestTrace | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ADMITTED_FACTS and self.sealed:
-            raise FrozenInstanceError(f"{name} was fixed at admission; a later stage may read it, not assign it")
-        object.__setattr__(self, name, value)
 
     def note_drafts(self, details: dict[str, Any]) -> None:
         """The upstream's speculative decoding, from OpenAI's prediction-token counts (completion_tokens_details), if
@@ -187,9 +180,13 @@ class RequestContext(RequestRecord):
     prefill_pin: Attempt | None = None  # the prefill hop whose engine holds the KV (its /abort lets it go)
     routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
 
+    sealed: ClassVar[bool] = False  # SealedRequestContext's is True
+
     def seal(self) -> None:
-        """Admission has decided: ADMITTED_FACTS are read-only from now on."""
-        self.sealed = True
+        """Admission has decided: ADMITTED_FACTS are read-only from now on. The context becomes a
+        SealedRequestContext, whose __setattr__ guards them: before that, writes cost what a slot's always did (a
+        __setattr__ of our own on every context would run for each of the ~60 fields __init__ sets)."""
+        self.__class__ = SealedRequestContext
 
     def start_attempt(self, attempt: Attempt) -> None:
         """Dispatch sends `attempt`: what the event says of the last hop (its route, pool, model version, the
@@ -253,3 +250,15 @@ class RequestContext(RequestRecord):
             key_limits=principal.key.limits,
             user=clip(body.get("user")) if isinstance(body.get("user"), str) else None,
         )
+
+
+class SealedRequestContext(RequestContext):
+    """An admitted request once admission has decided (RequestContext.seal): ADMITTED_FACTS are read-only."""
+
+    __slots__ = ()
+    sealed: ClassVar[bool] = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ADMITTED_FACTS:
+            raise FrozenInstanceError(f"{name} was fixed at admission; a later stage may read it, not assign it")
+        object.__setattr__(self, name, value)
