@@ -127,16 +127,16 @@ class TokenCounter:
 
     def chat_prompt(self, messages: list[dict], part_tokens: int | None = None) -> tuple[int, list[int] | None]:
         """`count_chat`, and the prompt's ids where they are the engine's own: an exact count of messages whose text
-        the chat template renders as they are counted (string contents, no name or tool fields; None otherwise),
-        so that prefix routing need not tokenize the prompt again (gateway/openai/prompt_ids.py)."""
+        the chat template renders as they are counted (string contents or text parts, joined as the engine joins
+        them; no name or tool fields, which the count renders its own way: None then), so that prefix routing need
+        not tokenize the prompt again (gateway/openai/prompt_ids.py)."""
         flat, extra, as_rendered = [], 0, True
         for i, m in enumerate(messages):
             text, parts = message_text(m, f"messages.{i}.content", part_tokens is not None)
             extra += parts * (part_tokens or 0)
             if m.get("tool_calls"):
                 text += orjson.dumps(m["tool_calls"]).decode()
-            as_rendered = as_rendered and isinstance(m.get("content"), str | None)
-            as_rendered = as_rendered and all(m.get(key) is None for key in TEMPLATE_FIELDS)
+            as_rendered = as_rendered and parts == 0 and all(m.get(key) is None for key in TEMPLATE_FIELDS)
             flat.append({"role": m.get("role", "user"), "content": text})
         if self.exact:
             assert self.tokenizer is not None  # loaded whenever the counts are exact

@@ -137,8 +137,9 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
 
 def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without_tokenizing_again():
     """The prompt is tokenized once: admission's exact count of a chat of string messages makes the very ids the
-    engine computes (its own request model renders the reference), and routing hashes those; a chat the count
-    renders otherwise (text parts, tool calls, a name) gives none, and routing tokenizes it as the engine does."""
+    engine computes (its own request model renders the reference), text parts joined as the engine joins them, and
+    routing hashes those; a chat the count renders otherwise (tool calls, a name) gives none, and routing tokenizes it
+    as the engine does."""
     pytest.importorskip("gguf")
     from tokenweir.engine.api.protocol import ChatCompletionRequest
     from tokenweir.gateway.openai.prompt_ids import _tokenizer
@@ -152,12 +153,14 @@ def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without
         {"role": "assistant", "content": None},
         {"role": "user", "content": "again"},
     ]
+    parts = [*plain, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    for chat in (plain, parts):  # text parts are joined as the engine joins them: the same ids
+        count, ids = counter.chat_prompt(chat)
+        engine = ChatCompletionRequest(model="m", messages=chat).template_messages()
+        assert ids == tok.encode_chat(engine, True) and count == len(ids)
     count, ids = counter.chat_prompt(plain)
-    engine = ChatCompletionRequest(model="m", messages=plain).template_messages()
-    assert ids == tok.encode_chat(engine, True) and count == len(ids)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for other in (
-        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
         [{"role": "user", "content": "hi", "name": "ann"}],
     ):
