@@ -266,6 +266,12 @@ class Tokenizer:
             return [i for i in ids if i < self.vocab_size]
         return ids
 
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """A text prompt's `ids` as the model takes them: after BOS where the model adds one."""
+        if self.add_bos_token and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
+
     def count(self, text: str) -> int:
         """Number of tokens in user text (the gateway's hot path)."""
         return len(self.encode(text))

@@ -222,10 +222,7 @@ def need_tokenizer(engine: AsyncEngine, what: str, param: str) -> Tokenizer:
 
 def encode_text(engine: AsyncEngine, text: str) -> list[int]:
     tokenizer = need_tokenizer(engine, "a text prompt", "prompt")
-    ids = tokenizer.encode(text)
-    if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id, *ids]
-    return ids
+    return tokenizer.with_bos(tokenizer.encode(text))
 
 
 def encode_chat(engine: AsyncEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:

@@ -58,10 +58,7 @@ def prompt_token_ids(tokenizer_path: str | None, kind: str, body: dict) -> list[
             messages = [template_message(m) for m in body.get("messages") or []]
             return tok.encode_chat(messages, body.get("add_generation_prompt", True) is not False)
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
-            if tok.add_bos_token and tok.bos_token_id is not None:
-                ids = [tok.bos_token_id, *ids]
-            return ids
+            return tok.with_bos(tok.encode(prompt))
     except Exception as e:  # routing must never fail a request: go by load instead
         log.debug("no prompt token ids for routing: %r", e)
     return None

@@ -115,10 +115,7 @@ class TokenCounter:
             return self.count_prompts(prompt), None
         assert self.tokenizer is not None  # loaded whenever the counts are exact
         ids = self.tokenizer.encode(text)
-        count = len(ids)
-        if self.tokenizer.add_bos_token and self.tokenizer.bos_token_id is not None:
-            ids = [self.tokenizer.bos_token_id, *ids]
-        return [count], ids
+        return [len(ids)], self.tokenizer.with_bos(ids)  # counted as count_text counts it
 
     def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
         """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,
