@@ -94,7 +94,6 @@ def run_fake(policy: str, plan, all_shapes, duration_s: float, capacity: int, tm
 
 def run_engine(policy: str, plan, all_shapes, duration_s: float, capacity: int, tmp: Path) -> work.Summary:
     """One policy through `tokenweir serve --engines 2` (its own gateway, store and engines)."""
-    import httpx
     import yaml
 
     from loadtests.bench_routing import Serve
@@ -117,16 +116,9 @@ def run_engine(policy: str, plan, all_shapes, duration_s: float, capacity: int, 
     serve = Serve(path, 2, tmp / f"{policy}.db")
     try:
         serve.wait_ready()
-        admin = {"authorization": f"Bearer {serve.admin_key()}"}
-        keys = {}
-        for shape in all_shapes:
-            limits = {"priority": shape.priority, "queue_timeout_s": 300}
-            team = {"name": shape.team, "limits": limits}
-            r = httpx.post(serve.url + "/admin/teams", json=team, headers=admin, timeout=10)
-            r.raise_for_status()
-            k = httpx.post(f"{serve.url}/admin/teams/{r.json()['id']}/keys", json={"name": "b"}, headers=admin)
-            k.raise_for_status()
-            keys[shape.team] = k.json()["secret"]
+        keys = serve.team_keys(
+            {shape.team: {"priority": shape.priority, "queue_timeout_s": 300} for shape in all_shapes}
+        )
         t0 = time.perf_counter()
         records = asyncio.run(work.run(serve.url, keys, plan, "smollm2-135m", None, policy))
         wall = time.perf_counter() - t0

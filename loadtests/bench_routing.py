@@ -189,13 +189,15 @@ class Serve:
     def admin_key(self) -> str:
         return re.search(r"bootstrap ADMIN key .*: (tw-\S+)", self.text).group(1)
 
-    def team_keys(self) -> dict[str, str]:
-        """A team of the gateway's own, with a key, per workload team: the gateway scopes each team's prefix cache
-        (its pool's cache_scope) by the team the key belongs to."""
+    def team_keys(self, limits: dict[str, dict] | None = None) -> dict[str, str]:
+        """A team of the gateway's own, with a key, per workload team (TEAMS, or the teams `limits` names, each made
+        with its limits): the gateway scopes each team's prefix cache (its pool's cache_scope) by the team the key
+        belongs to."""
         admin = {"authorization": f"Bearer {self.admin_key()}"}
         keys = {}
-        for name in TEAMS:
-            r = httpx.post(self.url + "/admin/teams", json={"name": name}, headers=admin, timeout=10)
+        for name, team_limits in (limits or dict.fromkeys(TEAMS, {})).items():
+            team = {"name": name, "limits": team_limits}
+            r = httpx.post(self.url + "/admin/teams", json=team, headers=admin, timeout=10)
             r.raise_for_status()
             r = httpx.post(f"{self.url}/admin/teams/{r.json()['id']}/keys", json={"name": "bench"}, headers=admin)
             r.raise_for_status()
