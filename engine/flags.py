@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from tokenweir.common.engine_flags import API_KEY_ENV, KV_TRANSFER_KEY_ENV, parse_size
 from tokenweir.common.http.door_limits import HttpLimits, add_http_flags
+from tokenweir.common.text.tool_prompt import TOOL_CALL_FORMATS
 from tokenweir.engine.config import (
     MIN_TRANSFER_KEY_CHARS,
     SCHEDULING_POLICIES,
@@ -109,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name", default=None, help="the name clients put in `model` (default: the model's own name)"
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=[*TOOL_CALL_FORMATS, "none"],
+        help="how the model writes the tool calls it chooses (tool_choice 'auto', the default when tools are sent): "
+        "the format the tools are shown in where the chat template does not render them, the grammar that keeps a "
+        "call to the offered functions and their schemas, and the parser of its text (vLLM's names); none: "
+        "tool_choice 'auto' is refused",
     )
     p.add_argument(
         "--dtype",

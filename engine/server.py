@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     # A dead step loop serves nothing ever again: stop the server (its graceful shutdown lets the failed requests'
     # errors go out), then exit non-zero below, so a supervisor restarts the process instead of routing to a husk.
     async_engine = AsyncEngine(engine, thread=thread, on_dead=lambda _cause: os.kill(os.getpid(), signal.SIGTERM))
-    app = build_app(async_engine, api_key=api_key(args), tracer_provider=tracer_provider)
+    app = build_app(
+        async_engine, api_key=api_key(args), tracer_provider=tracer_provider, tool_call_parser=args.tool_call_parser
+    )
     print(f"tokenweir engine: serving {engine.model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     # Connections are bounded at the door (head size and deadline, body pauses, keep-alive of KEEP_ALIVE_S, open
     # connections): --max-header-bytes and the other flags of common/http/door_limits.py.

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -36,3 +37,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
+
+
+def template_reads(source: str, variable: str) -> bool:
+    """Whether a template uses `variable` (e.g. `tools`: it renders the functions itself), read from its syntax tree
+    rather than its text, so a comment or a string that mentions the word does not count."""
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    return variable in jinja2.meta.find_undeclared_variables(env.parse(source))

@@ -18,7 +18,7 @@ from typing import Any, cast
 import jinja2
 import tiktoken
 
-from tokenweir.common.text.chat_template import compile_chat_template
+from tokenweir.common.text.chat_template import compile_chat_template, template_reads
 from tokenweir.common.text.gguf_file import read_gguf
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -131,6 +131,7 @@ class Tokenizer:
         stops.update(self._token_to_id[t] for t in END_OF_TURN_TOKENS if t in special)
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self._template: jinja2.Template | None = None
+        self._takes_tools: bool | None = None
 
     def _build_ranks(
         self,
@@ -317,10 +318,22 @@ class Tokenizer:
             pad_token=self._token_text(self.pad_token_id),
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Prompt ids for a chat. Special tokens are allowed: the template inserts them, and message contents
         containing special-token strings are the template author's concern, as in HF."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), allow_special=True)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), allow_special=True)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """The chat template renders a `tools` list itself (common/text/tool_prompt.py renders them otherwise)."""
+        if self._takes_tools is None:
+            self._takes_tools = self.chat_template is not None and template_reads(self.chat_template, "tools")
+        return self._takes_tools
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._id_bytes[token_id].decode("utf-8", errors="replace")

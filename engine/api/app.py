@@ -14,18 +14,23 @@ from tokenweir.engine.api.errors import add_error_handlers
 from tokenweir.engine.api.routes import router
 from tokenweir.engine.api.tracing import TracingMiddleware
 from tokenweir.engine.core.async_engine import AsyncEngine
+from tokenweir.engine.tool_parsers import tool_parser
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 
 def build_app(
-    async_engine: AsyncEngine, api_key: str | None = None, tracer_provider: TracerProvider | None = None
+    async_engine: AsyncEngine,
+    api_key: str | None = None,
+    tracer_provider: TracerProvider | None = None,
+    tool_call_parser: str | None = "hermes",
 ) -> FastAPI:
     """Under uvicorn, the lifespan starts and stops the engine loop; a test driving the app through
     httpx.ASGITransport (no lifespan) calls `async_engine.start()` itself. With `api_key`, every route but /health
     and /metrics needs it as a bearer key (engine/api/auth.py). With a `tracer_provider`, generation requests are
-    traced (engine/api/tracing.py); without, tracing is off."""
+    traced (engine/api/tracing.py); without, tracing is off. `tool_call_parser` (engine/tool_parsers; None or "none":
+    no calls the model chooses) reads the calls of chats whose tool_choice is "auto"."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -43,6 +48,7 @@ def build_app(
         app.add_middleware(TracingMiddleware, tracer_provider=tracer_provider)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a refused request still gets its id
     app.state.async_engine = async_engine  # what the routes' `Engine` dependency reads
+    app.state.tool_parser = tool_parser(tool_call_parser)
     add_error_handlers(app)
     app.include_router(router)
     return app

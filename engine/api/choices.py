@@ -7,10 +7,10 @@ completions' logprobs, the echoed prompt sent once).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
 
 from tokenweir.common.text.tokenizer import Tokenizer
+from tokenweir.engine.api.chosen_calls import ChosenCalls, tool_call_id
 from tokenweir.engine.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from tokenweir.engine.api.responses import (
     AssistantMessage,
@@ -29,10 +29,7 @@ from tokenweir.engine.api.responses import (
 )
 from tokenweir.engine.core.output import RequestOutput
 from tokenweir.engine.sched.sequence import TokenLogprob
-
-
-def _tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+from tokenweir.engine.tool_parsers import ToolParser
 
 
 class TokenText:
@@ -53,8 +50,12 @@ class TokenText:
 
 
 class ChatRenderer:
-    def __init__(self, body: ChatCompletionRequest, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, body: ChatCompletionRequest, tokenizer: Tokenizer | None, tool_parser: ToolParser | None = None
+    ) -> None:
         self.tool_mode = body.tool_mode
+        # Calls the model chooses: read by the parser (the route refused "auto" without one)
+        self.chosen = ChosenCalls(tool_parser) if self.tool_mode == "auto" and tool_parser is not None else None
         self.function: str | None = None
         if self.tool_mode == "named":
             assert isinstance(body.tool_choice, NamedToolChoice)  # what the "named" tool mode means
@@ -77,9 +78,10 @@ class ChatRenderer:
             ]
         )
 
-    def finish_reason(self, out: RequestOutput, calls: list[ToolCall] | None) -> str | None:
-        # A forced named call ends "stop", as OpenAI's and vLLM's do; calls from "required" end "tool_calls".
-        if self.tool_mode == "required" and calls and out.finish_reason == "stop":
+    def finish_reason(self, out: RequestOutput, called: bool) -> str | None:
+        # A forced named call ends "stop", as OpenAI's and vLLM's do; calls from "required" or chosen ones end
+        # "tool_calls".
+        if self.tool_mode in ("required", "auto") and called and out.finish_reason == "stop":
             return "tool_calls"
         return out.finish_reason
 
@@ -91,49 +93,55 @@ class ChatRenderer:
             return None
         if self.tool_mode == "named":
             assert self.function is not None  # set with the "named" tool mode
-            return [ToolCall(id=_tool_call_id(), function=FunctionCall(name=self.function, arguments=text))]
+            return [ToolCall(id=tool_call_id(), function=FunctionCall(name=self.function, arguments=text))]
         return [
-            ToolCall(id=_tool_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+            ToolCall(id=tool_call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
             for c in value
         ]
 
     def choice(self, out: RequestOutput) -> ChatChoice:
+        if self.chosen is not None:
+            message, called = self.chosen.message(out.new_text)
+            return ChatChoice(message=message, **self._choice_fields(out, called))
         calls = self.parse_calls(out.new_text) if self.tool_mode else None
         message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=out.new_text)
-        return ChatChoice(message=message, **self._choice_fields(out, calls))
+        return ChatChoice(message=message, **self._choice_fields(out, bool(calls)))
 
     def chunk_choice(self, out: RequestOutput) -> ChatChunkChoice:
-        delta, calls = self._delta(out)
-        return ChatChunkChoice(delta=delta, **self._choice_fields(out, calls))
+        delta, called = self._delta(out)
+        return ChatChunkChoice(delta=delta, **self._choice_fields(out, called))
 
-    def _choice_fields(self, out: RequestOutput, calls: list[ToolCall] | None) -> dict:
+    def _choice_fields(self, out: RequestOutput, called: bool) -> dict:
         """What a choice says besides its text, the same whether it comes whole or as a stream chunk."""
         return {
             "index": out.index,
             "logprobs": self.logprobs(out.logprobs),
-            "finish_reason": self.finish_reason(out, calls),
+            "finish_reason": self.finish_reason(out, called),
             "stop_reason": out.stop_reason,
             "token_ids": out.new_token_ids if self.show_token_ids else None,
         }
 
-    def _delta(self, out: RequestOutput) -> tuple[DeltaMessage, list[ToolCall] | None]:
+    def _delta(self, out: RequestOutput) -> tuple[DeltaMessage, bool]:
+        """The chunk's delta, and whether the choice has made calls (its finish reason then says tool_calls)."""
+        if self.chosen is not None:
+            return self.chosen.delta(out.index, out.new_text, out.finish_reason is not None)
         if self.tool_mode == "named":  # the arguments stream as they come, as vLLM streams a named call
             if not out.new_text:
-                return DeltaMessage(), None
+                return DeltaMessage(), False
             first = out.index not in self._call_ids
-            call_id = self._call_ids.setdefault(out.index, _tool_call_id())
+            call_id = self._call_ids.setdefault(out.index, tool_call_id())
             function = FunctionCallDelta(name=self.function if first else None, arguments=out.new_text)
             call = ToolCallDelta(
                 index=0, id=call_id if first else None, type="function" if first else None, function=function
             )
-            return DeltaMessage(tool_calls=[call]), None
+            return DeltaMessage(tool_calls=[call]), False
         if self.tool_mode == "required":  # a list of calls: shown once it parses, at the choice's end
             text = self._buffers[out.index] = self._buffers.get(out.index, "") + out.new_text
             if out.finish_reason is None:
-                return DeltaMessage(), None
+                return DeltaMessage(), False
             calls = self.parse_calls(text)
             if calls is None:
-                return DeltaMessage(content=text), None
+                return DeltaMessage(content=text), False
             deltas = [
                 ToolCallDelta(
                     index=i,
@@ -143,8 +151,8 @@ class ChatRenderer:
                 )
                 for i, c in enumerate(calls)
             ]
-            return DeltaMessage(tool_calls=deltas), calls
-        return (DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()), None
+            return DeltaMessage(tool_calls=deltas), True
+        return (DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()), False
 
 
 class CompletionRenderer:

@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI-compatible API's requests as vLLM accepts them (responses: engine/api/responses.py).
 
 Unknown request fields are ignored (as vLLM does); known fields are validated, so a wrong value is a 400 that names
-the field. Features the engine does not have (best_of > 1, suffix, tool_choice "auto") are refused with a message
-instead of being silently dropped.
+the field. Features the engine does not have (best_of > 1, suffix) are refused with a message instead of being
+silently dropped; so is tool_choice "auto" where the engine runs without a tool-call parser (engine/api/routes.py).
 """
 
 from __future__ import annotations
@@ -241,11 +241,6 @@ class ChatCompletionRequest(_SamplingRequest):
             if choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools: send the functions the model may call")
             return choice
-        if choice is None or choice == "auto":  # absent means "auto" when tools are sent
-            raise ValueError(
-                "tool_choice 'auto' needs a tool-call parser, and this model has none: name a function "
-                "(tool_choice={'type': 'function', 'function': {'name': ...}}), send 'required', or send 'none'"
-            )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
         if response_format is not None and response_format.type != "text" and choice != "none":
@@ -260,15 +255,25 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.to_template() for m in self.messages]
 
     @property
-    def tool_mode(self) -> Literal["named", "required"] | None:
-        """How the output becomes tool calls: one named function's arguments, or a list of calls; None: text."""
-        if not self.tools or self.tool_choice in (None, "none", "auto"):
+    def tool_mode(self) -> Literal["named", "required", "auto"] | None:
+        """How the output becomes tool calls: one named function's arguments, a list of calls, or text with calls
+        the model chooses (absent means "auto" when tools are sent, as OpenAI has it); None: text."""
+        if not self.tools or self.tool_choice == "none":
             return None
+        if self.tool_choice in (None, "auto"):
+            return "auto"
         return "required" if self.tool_choice == "required" else "named"
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template and the tool-call grammar read them; None without tools or with "none"."""
+        if not self.tools or self.tool_mode is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def structured_spec(self) -> dict | None:
         """The response_format the output must follow: the client's, or the JSON schema of the tool call(s) asked
-        for (vLLM's way of answering a forced tool choice without a tool-call parser)."""
+        for (vLLM's way of answering a forced tool choice without a tool-call parser). Calls the model chooses
+        ("auto") follow their parser's grammar instead, which the route sets (engine/api/routes.py)."""
         if self.tool_mode == "named":
             assert self.tools is not None and isinstance(self.tool_choice, NamedToolChoice)  # what "named" means
             tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)

@@ -8,6 +8,7 @@ the request against its limits and streams the outputs, and any error is raised 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Annotated, cast
 
 from fastapi import APIRouter, Depends, Request
@@ -18,6 +19,7 @@ from tokenweir.common.http.disconnect import wait_disconnect
 from tokenweir.common.http.fairness_id import FAIRNESS_ID_HEADER, MAX_FAIRNESS_ID_CHARS
 from tokenweir.common.text import prefix_hash
 from tokenweir.common.text.tokenizer import Tokenizer
+from tokenweir.common.text.tool_prompt import tool_conversation
 from tokenweir.engine.api.choices import ChatRenderer, CompletionRenderer
 from tokenweir.engine.api.errors import APIError
 from tokenweir.engine.api.protocol import (
@@ -43,6 +45,7 @@ from tokenweir.engine.api.tracing import trace_request
 from tokenweir.engine.core.async_engine import AsyncEngine, RequestStream
 from tokenweir.engine.core.errors import RequestError
 from tokenweir.engine.core.output import RequestOutput
+from tokenweir.engine.tool_parsers import ToolParser
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -58,10 +61,12 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, engine: Engine):
     check_model(engine, body.model)
-    prompt = encode_chat(engine, body.template_messages(), body.add_generation_prompt)
-    stream = start(engine, request, prompt, body, prompt_param="messages")
+    parser = chat_tool_parser(request, body)
+    tools = body.tool_dicts()
+    prompt = encode_chat(engine, body.template_messages(), body.add_generation_prompt, tools, parser)
+    stream = start(engine, request, prompt, body, prompt_param="messages", tool_parser=parser)
     response_id = f"chatcmpl-{stream.request_id}"
-    render = ChatRenderer(body, engine.tokenizer)
+    render = ChatRenderer(body, engine.tokenizer, parser)
     if body.stream:
         return stream_response(
             stream,
@@ -114,10 +119,11 @@ async def models(engine: Engine) -> ModelList:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, engine: Engine) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> dict:
     check_model(engine, body.model)
     if body.messages is not None:
-        tokens = encode_chat(engine, [m.to_template() for m in body.messages], body.add_generation_prompt)
+        messages = [m.to_template() for m in body.messages]
+        tokens = encode_chat(engine, messages, body.add_generation_prompt, None, tool_parser_of(request))
     else:
         assert body.prompt is not None  # the request's validator wants exactly one of prompt and messages
         tokens = encode_text(engine, body.prompt)
@@ -225,10 +231,39 @@ def encode_text(engine: AsyncEngine, text: str) -> list[int]:
     return tokenizer.with_bos(tokenizer.encode(text))
 
 
-def encode_chat(engine: AsyncEngine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def tool_parser_of(request: Request) -> ToolParser | None:
+    return request.app.state.tool_parser
+
+
+def chat_tool_parser(request: Request, body: ChatCompletionRequest) -> ToolParser | None:
+    """The engine's tool-call parser; a chat whose model is to choose its calls ("auto") needs one."""
+    parser = tool_parser_of(request)
+    if parser is None and body.tool_mode == "auto":
+        raise APIError(
+            400,
+            "tool_choice 'auto' (the default when tools are sent) needs a tool-call parser, and this engine runs "
+            "without one (start it with --tool-call-parser hermes): name a function (tool_choice={'type': "
+            "'function', 'function': {'name': ...}}), send 'required', or send 'none'",
+            "invalid_request",
+            "tool_choice",
+        )
+    return parser
+
+
+def encode_chat(
+    engine: AsyncEngine,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    parser: ToolParser | None,
+) -> list[int]:
+    """A chat's prompt ids: the tools and earlier calls rendered as the template does, or else in the parser's format
+    (common/text/tool_prompt.py)."""
     tokenizer = need_tokenizer(engine, "chat", "messages")
+    fmt = parser.name if parser is not None else None
+    messages, template_tools = tool_conversation(messages, tools, fmt, tokenizer.template_takes_tools)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt, template_tools)
     except ValueError as exc:  # no chat template, or the template's raise_exception()
         raise APIError(400, str(exc), "chat_template_error", "messages") from exc
 
@@ -239,14 +274,18 @@ def start(
     prompt: list[int],
     body: ChatCompletionRequest | CompletionRequest,
     prompt_param: str,
+    tool_parser: ToolParser | None = None,
 ) -> RequestStream:
     """Hand the request to the engine under the id the middleware chose; a refusal names the prompt as the client
-    sent it (`messages` for chat, `prompt` for a text completion)."""
+    sent it (`messages` for chat, `prompt` for a text completion). Calls the model chooses follow `tool_parser`'s
+    grammar."""
     fairness_id = fairness_header(request)
+    params = body.sampling_params()
+    if tool_parser is not None and isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto":
+        tools, parallel = body.tool_dicts() or [], body.parallel_tool_calls is not False
+        params = replace(params, structured={"type": "grammar", "grammar": tool_parser.grammar(tools, parallel)})
     try:
-        stream = engine.add_request(
-            request.state.request_id, prompt, body.sampling_params(), body.priority, fairness_id=fairness_id
-        )
+        stream = engine.add_request(request.state.request_id, prompt, params, body.priority, fairness_id=fairness_id)
     except RequestError as exc:
         if exc.param in ("prompt", "messages"):
             exc.param = prompt_param

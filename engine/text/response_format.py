@@ -15,6 +15,8 @@ def parse_response_format(spec: dict) -> tuple[str, dict | None]:
     kind = spec.get("type")
     if kind in ("text", "json_object"):
         return kind, None
+    if kind == "grammar" and isinstance(spec.get("grammar"), str):  # the engine's own (tool calls): never a client's
+        return kind, {"lark": spec["grammar"]}
     if kind != "json_schema":
         raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
     js = spec.get("json_schema")

@@ -97,15 +97,20 @@ def make_engine(model_dir: str, **kwargs) -> LLMEngine:
 
 
 @asynccontextmanager
-async def serve(engine: LLMEngine):
-    """uvicorn on a free port in this event loop (its lifespan starts the engine loop), and a client for it."""
+async def serve(engine: LLMEngine, **app_options):
+    """uvicorn on a free port in this event loop (its lifespan starts the engine loop), and a client for it;
+    `app_options` go to build_app."""
     threads = torch.get_num_threads()
     async_engine = AsyncEngine(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        build_app(async_engine), log_level="warning", lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=60
+        build_app(async_engine, **app_options),
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=60,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -535,12 +540,7 @@ async def test_chat_bad_requests(served):
         ({"messages": good, "response_format": {"type": "xml"}}, "invalid_request", "response_format.type"),
         ({"messages": good, "response_format": {"type": "json_schema"}}, "invalid_request", "response_format"),
         (
-            {"messages": good, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "invalid_request",
-            "tool_choice",
-        ),
-        (
-            {"messages": good, "tools": [{"function": {"name": "f"}}], "tool_choice": "auto"},
+            {"messages": good, "tools": [{"function": {"name": "f"}}], "response_format": {"type": "json_object"}},
             "invalid_request",
             "tool_choice",
         ),
@@ -564,6 +564,18 @@ async def test_chat_bad_requests(served):
             assert error["param"] == param, (body, error)
     r = await served.post("/v1/chat/completions", cases[3][0])
     assert "text" in r.json()["error"]["message"] and r.json()["error"]["param"].startswith("messages[0].content")
+
+
+async def test_tools_the_model_would_choose_need_a_tool_call_parser(model_dir):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    async with serve(make_engine(model_dir), tool_call_parser=None) as plain:
+        for choice in ({}, {"tool_choice": "auto"}):
+            r = await plain.post(
+                "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": tools, **choice}
+            )
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "tool_choice", error
+            assert "--tool-call-parser" in error["message"] and error["type"] == "invalid_request_error"
 
 
 async def test_unknown_route_and_method(served):

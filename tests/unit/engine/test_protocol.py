@@ -48,12 +48,19 @@ def test_response_format_and_none_choice():
     assert request(response_format={"type": "text"}).structured_spec() is None
     assert request(tools=TOOLS, tool_choice="none").structured_spec() is None
     assert request(tools=TOOLS, tool_choice="none").tool_mode is None
+    assert request(tools=TOOLS, tool_choice="none").tool_dicts() is None
+
+
+def test_tools_without_a_choice_are_calls_the_model_chooses():
+    for chosen in (request(tools=TOOLS), request(tools=TOOLS, tool_choice="auto")):
+        assert chosen.tool_mode == "auto" and chosen.structured_spec() is None  # the parser's grammar, set later
+        assert [t["function"]["name"] for t in chosen.tool_dicts()] == [t["function"]["name"] for t in TOOLS]
 
 
 @pytest.mark.parametrize(
     "fields, named",
     [
-        ({"tools": TOOLS}, "tool_choice"),  # "auto"
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),  # "auto" and a format
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tokenweir.common.text.tokenizer import Tokenizer
-from tokenweir.engine.text.structured import StructuredOutputs, apply_token_bitmask, unpack_masks
+from tokenweir.engine.text.structured import StructuredOutputs
+from tokenweir.engine.text.token_bitmask import apply_token_bitmask, unpack_masks
 
 VOCAB = 49152
 
@@ -259,7 +260,7 @@ def test_masks_match_accept_and_apply_sets_exactly_forbidden_to_inf(so, tok):
 
 def test_device_unpack_matches_numpy_unpack():
     """The torch path (used for CUDA logits) and the numpy path (CPU) agree bit for bit, padding included."""
-    from tokenweir.engine.text.structured import _forbidden_bits, _forbidden_on_device
+    from tokenweir.engine.text.token_bitmask import _forbidden_bits, _forbidden_on_device
 
     masks = torch.randint(-(2**31), 2**31 - 1, (3, 1536), dtype=torch.int32)
     for vocab in (VOCAB, VOCAB - 5, VOCAB + 70):
