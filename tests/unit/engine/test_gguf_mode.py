@@ -85,8 +85,9 @@ def test_gguf_answers_the_capital_of_france_as_llama_cpp_or_float32_does_on_a_ne
     decode = llm.engine.tokenizer.decode
     (first, first_logprob), (second, second_logprob) = out.logprobs[0].top
     assert {decode([first]), decode([second])} == {"The", "L"} and first_logprob - second_logprob < 0.25
-    # (after "L'Étoile, la Mar" the AVX2 kernels go on "seur" where llama.cpp says "seillaise": another near tie)
-    answers = {"L": "L'Étoile, la Mar", "The": "The capital of France is Paris."}
+    # (after "L'Étoile, la " come more near ties: "Mar" then "seur" on one AVX2 machine where llama.cpp says
+    # "seillaise", "Cité" on a 2-core AVX2-only Xeon)
+    answers = {"L": "L'Étoile, la ", "The": "The capital of France is Paris."}
     assert out.new_text.startswith(answers[decode([first])])
 
 
