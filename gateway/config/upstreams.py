@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenweir.common.text.tool_prompt import TOOL_CALL_FORMATS
 from tokenweir.gateway.config.base import CACHE_SCOPES, FAIRNESS, FOREVER_S, STRICT, plain
 from tokenweir.policies.pricing import Prices, price_error
 from tokenweir.policies.routing import RouteParams
@@ -81,6 +82,9 @@ class PoolConfig:
     shadow_pool: str | None = None
     shadow_fraction: float = 0.0
     tokenizer: str | None = None  # the served model's GGUF ("default": the bundled SmolLM2): exact; else estimate
+    # With `tokenizer`: the format the engines show tools in where the chat template does not (their
+    # --tool-call-parser), so the exact count renders a chat with tools as they will
+    tool_call_parser: str = "hermes"
     max_context: int | None = None  # prompt + max_tokens must fit
     capacity: int = 64  # requests dispatched to the pool at once; the rest wait in its priority queue
     max_queued: int = 1024
@@ -164,6 +168,9 @@ class PoolConfig:
                 raise ValueError(f"pool {self.model}: {name}: {error}")
         if self.prefix_index_entries < 1:
             raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
+        if self.tool_call_parser not in (*TOOL_CALL_FORMATS, "none"):
+            choices = ", ".join((*TOOL_CALL_FORMATS, "none"))
+            raise ValueError(f"pool {self.model}: tool_call_parser must be one of {choices}")
         if self.cache_scope not in CACHE_SCOPES:
             raise ValueError(f"pool {self.model}: cache_scope must be one of {', '.join(CACHE_SCOPES)}")
         if self.fairness not in FAIRNESS or not 0 <= self.output_token_weight <= 100:

@@ -20,19 +20,21 @@ varied set of texts: prose, code, JSON, numbers, CJK, Cyrillic, emoji, base64; a
 Content parts: text parts are joined with newlines, as our engine (and vLLM) joins them before the chat template,
 so the exact count is the engine's own. Other parts (images, audio, files) cannot be counted here: a pool of our
 engines refuses them (they read text only), an external pool reserves `part_tokens` per part, an upper bound that
-settles to the upstream's usage. Assistant tool calls are counted as their JSON text.
+settles to the upstream's usage. The estimate counts assistant tool calls and the tools offered as their JSON text.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import orjson
 
-from tokenweir.common.text.chat_text import TEMPLATE_FIELDS, join_text_parts
+from tokenweir.common.text.chat_text import join_text_parts, template_message
 from tokenweir.common.text.model_files import default_model_path  # torch-free: the one locator of the bundled model
+from tokenweir.common.text.tool_prompt import tool_conversation
 
 # Chat framing per message for the estimate (OpenAI's own rule of thumb: ~3-4 tokens per message + 3).
 _PER_MESSAGE = 4
@@ -77,6 +79,22 @@ class UnsupportedContent(Exception):
         self.part_type, self.param = part_type, param
 
 
+@dataclass(frozen=True, slots=True)
+class ChatShape:
+    """What a chat's prompt holds besides its messages: the tools shown to the model (None: none, as with
+    tool_choice "none"), the format a pool's engines show them in, and whether a generation prompt ends it."""
+
+    tools: list[dict] | None = None
+    tool_format: str | None = None
+    add_generation_prompt: bool = True
+
+    @classmethod
+    def of(cls, body: dict, tool_format: str | None) -> ChatShape:
+        """A chat body's shape, as the engine reads the body (engine/api/protocol.py tool_dicts)."""
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        return cls(tools or None, tool_format, body.get("add_generation_prompt", True) is not False)
+
+
 class TokenCounter:
     """Counts for one pool. `exact` says whether the numbers are the served model's own."""
 
@@ -117,29 +135,40 @@ class TokenCounter:
         ids = self.tokenizer.encode(text)
         return [len(ids)], self.tokenizer.with_bos(ids)  # counted as count_text counts it
 
-    def count_chat(self, messages: list[dict], part_tokens: int | None = None) -> int:
+    def count_chat(self, messages: list[dict], part_tokens: int | None = None, chat: ChatShape | None = None) -> int:
         """Prompt tokens of a chat request. `part_tokens`: the bound per non-text content part (None: refuse them,
         raising UnsupportedContent)."""
-        return self.chat_prompt(messages, part_tokens)[0]
+        return self.chat_prompt(messages, part_tokens, chat)[0]
 
-    def chat_prompt(self, messages: list[dict], part_tokens: int | None = None) -> tuple[int, list[int] | None]:
-        """`count_chat`, and the prompt's ids where they are the engine's own: an exact count of messages whose text
-        the chat template renders as they are counted (string contents or text parts, joined as the engine joins
-        them; no name or tool fields, which the count renders its own way: None then), so that prefix routing need
-        not tokenize the prompt again (gateway/openai/prompt_ids.py)."""
-        flat, extra, as_rendered = [], 0, True
+    def chat_prompt(
+        self, messages: list[dict], part_tokens: int | None = None, chat: ChatShape | None = None
+    ) -> tuple[int, list[int] | None]:
+        """`count_chat`, and the prompt's ids where they are the engine's own: an exact count of text-only messages,
+        rendered as the engine renders them (text parts joined as it joins them; tools, earlier calls and their
+        results through common/text/tool_prompt.py in the pool's tool-call format), so that prefix routing need not
+        tokenize the prompt again (gateway/openai/prompt_ids.py). `chat`: what besides the messages the template
+        renders (default: no tools, a generation prompt)."""
+        chat = chat or ChatShape()
+        rendered, extra, texts = [], 0, 0
         for i, m in enumerate(messages):
             text, parts = message_text(m, f"messages.{i}.content", part_tokens is not None)
             extra += parts * (part_tokens or 0)
-            if m.get("tool_calls"):
-                text += orjson.dumps(m["tool_calls"]).decode()
-            as_rendered = as_rendered and parts == 0 and all(m.get(key) is None for key in TEMPLATE_FIELDS)
-            flat.append({"role": m.get("role", "user"), "content": text})
+            texts += parts == 0
+            rendered.append({**template_message(m), "content": text})
         if self.exact:
             assert self.tokenizer is not None  # loaded whenever the counts are exact
-            ids = self.tokenizer.encode_chat(flat)
-            return len(ids) + extra, ids if as_rendered else None
-        return sum(self.count_text(m["content"]) + _PER_MESSAGE for m in flat) + _PER_REPLY + extra, None
+            shown, tools = tool_conversation(
+                rendered, chat.tools, chat.tool_format, self.tokenizer.template_takes_tools
+            )
+            ids = self.tokenizer.encode_chat(shown, chat.add_generation_prompt, tools)
+            return len(ids) + extra, ids if texts == len(messages) else None
+        # The estimate: calls as their JSON text, the tools' definitions as theirs
+        flat = [
+            m["content"] + (orjson.dumps(m["tool_calls"]).decode() if m.get("tool_calls") else "") for m in rendered
+        ]
+        tools_text = orjson.dumps(chat.tools).decode() if chat.tools else ""
+        count = sum(self.count_text(text) + _PER_MESSAGE for text in flat) + self.count_text(tools_text)
+        return count + _PER_REPLY + extra, None
 
 
 class TokenCounters:

@@ -41,7 +41,7 @@ from tokenweir.gateway.accounting.events import EventWriter
 from tokenweir.gateway.auth.authenticator import Principal
 from tokenweir.gateway.config import GatewayConfig
 from tokenweir.gateway.openai.endpoints import InferenceKind
-from tokenweir.gateway.openai.token_count import TokenCounters, UnsupportedContent
+from tokenweir.gateway.openai.token_count import ChatShape, TokenCounters, UnsupportedContent
 from tokenweir.gateway.request.background import BackgroundTasks
 from tokenweir.gateway.request.context import RequestContext, request_scope
 from tokenweir.gateway.request.dispatch import Dispatcher
@@ -181,10 +181,13 @@ class Admission:
         pool = ctx.pools[ctx.model].cfg
         # Our engines read text only; an external pool bills non-text parts its own way: reserve an upper bound.
         part_tokens = None if all(u.engine for u in pool.upstreams) else pool.non_text_part_tokens
+        tool_format = None if pool.tool_call_parser == "none" else pool.tool_call_parser
         try:
-            ctx.prompt_tokens, ids = counter.chat_prompt(ctx.body["messages"], part_tokens)
+            ctx.prompt_tokens, ids = counter.chat_prompt(
+                ctx.body["messages"], part_tokens, ChatShape.of(ctx.body, tool_format)
+            )
             ctx.longest_prompt = ctx.prompt_tokens
-            if ids is not None and ctx.body.get("add_generation_prompt", True) is not False:  # as the engine renders
+            if ids is not None:  # rendered as the engine renders it
                 assert counter.tokenizer_path is not None  # ids come only from an exact count
                 ctx.prompt_ids = (counter.tokenizer_path, ids)
         except UnsupportedContent as e:

@@ -138,12 +138,14 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
 def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without_tokenizing_again():
     """The prompt is tokenized once: admission's exact count of a chat of string messages makes the very ids the
     engine computes (its own request model renders the reference), text parts joined as the engine joins them, and
-    routing hashes those; a chat the count renders otherwise (tool calls, a name) gives none, and routing tokenizes it
-    as the engine does."""
+    routing hashes those; tools, earlier calls and names are rendered as the engine renders them (the engine's own
+    encode_chat is the reference)."""
     pytest.importorskip("gguf")
     from tokenweir.engine.api.protocol import ChatCompletionRequest
+    from tokenweir.engine.api.routes import encode_chat
+    from tokenweir.engine.tool_parsers import tool_parser
     from tokenweir.gateway.openai.prompt_ids import _tokenizer
-    from tokenweir.gateway.openai.token_count import TokenCounter
+    from tokenweir.gateway.openai.token_count import ChatShape, TokenCounter
 
     tok = _tokenizer("default")
     counter = TokenCounter("default")
@@ -158,13 +160,24 @@ def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without
         count, ids = counter.chat_prompt(chat)
         engine = ChatCompletionRequest(model="m", messages=chat).template_messages()
         assert ids == tok.encode_chat(engine, True) and count == len(ids)
-    count, ids = counter.chat_prompt(plain)
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    for other in (
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
-        [{"role": "user", "content": "hi", "name": "ann"}],
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for body in (  # tools, earlier calls and their results, names: rendered as the engine renders them
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]},
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}], "add_generation_prompt": False},
+        {"messages": [*plain, {"role": "tool", "tool_call_id": "c1", "content": "3"}], "tools": tools},
+        {"messages": plain, "tools": tools, "tool_choice": "none"},
     ):
-        assert counter.chat_prompt(other)[1] is None, other
+        request = ChatCompletionRequest(model="m", **body)
+        engine = encode_chat(
+            SimpleNamespace(tokenizer=tok),
+            request.template_messages(),
+            request.add_generation_prompt,
+            request.tool_dicts(),
+            tool_parser("hermes"),
+        )
+        assert counter.chat_prompt(body["messages"], None, ChatShape.of(body, "hermes")) == (len(engine), engine)
+    count, ids = counter.chat_prompt(plain)
 
     upstreams = _upstreams()
     upstreams.pools["m"].cfg.tokenizer = "default"
