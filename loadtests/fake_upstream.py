@@ -21,7 +21,10 @@ Server-wide: `FakeUpstream.fail_next` (answer the next N requests with 503), `.d
 (every chat or completion answered 200 with a JSON object that has usage but no `choices`).
 Token rule: a prompt costs one token per whitespace-separated word (+1 per chat message), a token-id prompt its
 length; each stream chunk is one token; n choices make n x tokens, for each prompt of a completions batch. An
-embedding input costs what a prompt does.
+embedding input costs what a prompt does. A choice that makes max_tokens ends with finish_reason "length", one that
+makes fewer (the `tokens` knob) with "stop". A chat with `tools` whose tool_choice is "required" or names a function
+calls that function (or the first tool) instead of writing text: arguments `{"tok": "tok"}` in TOOL_ARGUMENTS'
+pieces (one token each), finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 import orjson
 import uvicorn
 
+from loadtests import fake_responses
 from tokenweir.common.text import prefix_hash
 
 
@@ -62,6 +66,9 @@ class FakeUpstream:
     requests_seen: int = 0
     max_model_len: int | None = 2048  # what /v1/models reports (as our engine does)
     ttft_ms: float = 0.0  # added to every answer's first-token delay (a slower model version)
+    itl_ms: float = (
+        0.0  # every stream's delay between chunks where its body sets none (a client that cannot send knobs)
+    )
     received: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (path, body)
     # the x-gateway-inference-fairness-id each of those came with (None: none), as our engine reads it
     fairness_ids: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
@@ -112,6 +119,8 @@ class FakeUpstream:
             return await _json(send, 400, _err("bad json", "invalid_request_error", "invalid_json"))
         if path == "/abort":
             return await self._abort(send, req)
+        if path == "/v1/responses":  # an external server that serves the Responses API itself
+            return await self._respond(send, req)
         if path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             return await _json(send, 404, _err("not found", "not_found_error", "not_found"))
         self.requests_seen += 1
@@ -124,6 +133,8 @@ class FakeUpstream:
         knobs = req.get("fake") or {}
         if self.ttft_ms:
             knobs = {**knobs, "ttft_ms": (knobs.get("ttft_ms") or 0) + self.ttft_ms}
+        if self.itl_ms:
+            knobs = {**knobs, "itl_ms": knobs.get("itl_ms") or self.itl_ms}
         error = {"type": "invalid_request_error", "code": "injected", **(knobs.get("error") or {})}
         if knobs.get("status", 200) != 200:
             return await _json(send, knobs["status"], _err("injected", error["type"], error["code"]))
@@ -148,19 +159,23 @@ class FakeUpstream:
         n_tokens = int(knobs.get("tokens", 16))
         if not knobs.get("overrun"):
             n_tokens = min(n_tokens, int(max_tokens))
+        finish = "length" if n_tokens and n_tokens >= int(max_tokens) else "stop"
+        call = _tool_call(req) if chat else None
+        if call is not None:
+            n_tokens, finish = len(TOOL_ARGUMENTS), "tool_calls"
         self.in_progress += 1
         self.peak_in_progress = max(self.peak_in_progress, self.in_progress)
         try:
             if req.get("stream"):
-                await self._stream(send, receive, req, record, n_tokens, knobs, chat)
+                await self._stream(send, receive, req, record, n_tokens, knobs, chat, (finish, call))
             else:
-                await self._complete(send, req, record, n_tokens, knobs, chat)
+                await self._complete(send, req, record, n_tokens, knobs, chat, (finish, call))
         finally:
             self.in_progress -= 1
             if record.status == "running":
                 record.status = "cancelled"
 
-    async def _complete(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+    async def _complete(self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool, end) -> None:
         if knobs.get("ttft_ms"):
             await asyncio.sleep(knobs["ttft_ms"] / 1000)
         if record.status == "aborted":
@@ -171,8 +186,12 @@ class FakeUpstream:
         text = "tok " * n_tokens
         choices = []
         for index in range(n):
-            choice = {"index": index, "finish_reason": "length" if n_tokens else "stop"}
-            if chat:
+            finish, call = end
+            choice = {"index": index, "finish_reason": finish}
+            if chat and call is not None:
+                whole = {**call, "function": {**call["function"], "arguments": "".join(TOOL_ARGUMENTS)}}
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [whole]}
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -188,17 +207,19 @@ class FakeUpstream:
             answer["usage"] = _usage(record)
         await _json(send, 200, answer)
 
-    async def _stream(self, send, receive, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool) -> None:
+    async def _stream(
+        self, send, receive, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool, end
+    ) -> None:
         # A client that goes away stops the generation, as in vLLM and our engine (uvicorn drops writes to a closed
         # connection silently): the record then counts what was made until then, and its status is "cancelled".
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
-            await self._stream_events(send, req, record, n_tokens, knobs, chat, gone)
+            await self._stream_events(send, req, record, n_tokens, knobs, chat, gone, end)
         finally:
             gone.cancel()
 
     async def _stream_events(
-        self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool, gone: asyncio.Future
+        self, send, req, record: FakeRecord, n_tokens: int, knobs: dict, chat: bool, gone: asyncio.Future, end
     ) -> None:
         opts = req.get("stream_options") or {}
         include_usage, continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
@@ -236,10 +257,14 @@ class FakeUpstream:
             if fail_after is not None and i >= fail_after:
                 record.status = "cancelled"
                 raise ConnectionResetError("injected stream failure")  # uvicorn closes the connection
-            finish = "length" if i == n_tokens - 1 else None
+            finish = end[0] if i == n_tokens - 1 else None
             for index in range(n):  # one chunk per choice, as OpenAI streams n > 1
                 record.completion_tokens += 1
-                if chat:
+                if chat and end[1] is not None:  # a tool call: its id and name first, then its arguments' pieces
+                    call = {**end[1], "function": {**end[1]["function"], "arguments": TOOL_ARGUMENTS[i]}}
+                    call = call if i == 0 else {"index": 0, "function": {"arguments": TOOL_ARGUMENTS[i]}}
+                    choice = {"index": index, "delta": {"tool_calls": [call]}, "finish_reason": finish}
+                elif chat:
                     choice = {"index": index, "delta": {"content": "tok "}, "finish_reason": finish}
                 else:
                     choice = {"index": index, "text": "tok ", "finish_reason": finish}
@@ -257,6 +282,25 @@ class FakeUpstream:
         if include_usage:
             await _sse(send, orjson.dumps({**base, "choices": [], "usage": _usage(record)}))
         await _sse(send, b"[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _respond(self, send, req: dict) -> None:
+        """/v1/responses (loadtests/fake_responses.py), recorded and counted as a chat is."""
+        self.requests_seen += 1
+        self.received.append(("/v1/responses", req))
+        if (why := fake_responses.refusal(req)) is not None:
+            return await _json(send, 400, _err(why, "invalid_request_error", "invalid_value"))
+        rid = f"fake-{self.requests_seen}"
+        tokens = min(int((req.get("fake") or {}).get("tokens", 16)), int(req.get("max_output_tokens") or 16))
+        record = FakeRecord(rid, fake_responses.prompt_tokens(req), tokens, "finished", bool(req.get("stream")))
+        self.records[rid] = record
+        whole = fake_responses.answer(req, rid, record.prompt_tokens, tokens)
+        if not req.get("stream"):
+            return await _json(send, 200, whole)
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for event in fake_responses.events(whole):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _embed(self, send, req: dict, rid: str) -> None:
@@ -289,6 +333,21 @@ class FakeUpstream:
         if record.status in ("running", "cancelled"):
             record.status = "aborted"
         await _json(send, 200, {"request_id": rid, "status": status, "usage": _usage(record)})
+
+
+TOOL_ARGUMENTS = ('{"tok":', ' "tok"}')  # a tool call's arguments as the fake streams them: one token a piece
+
+
+def _tool_call(req: dict) -> dict | None:
+    """The call a chat must make (tool_choice "required" or a named function, with tools), as a stream's first
+    tool_calls delta has it (arguments still empty); None: it writes text."""
+    tools, choice = req.get("tools"), req.get("tool_choice")
+    if not tools or not (choice == "required" or isinstance(choice, dict)):
+        return None
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    name = named or tools[0].get("function", {}).get("name", "")
+    call_id = f"call_{len(req.get('messages') or [])}"
+    return {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
 
 
 def _choices(req: dict) -> int:

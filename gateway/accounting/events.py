@@ -67,7 +67,7 @@ FIELDS = (
     "served_model",  # the pool whose hop served it (a fallback's name after failover): usage is kept under it
     "user",  # the request's `user` field (the client's end user), clipped like every client string
     "cost",  # USD at the serving pool's prices (config price_*_per_1m); null when the pool has none
-    "kind",  # chat | completions | embeddings (gateway/openai/endpoints.py: each with its path)
+    "kind",  # chat | completions | embeddings | responses (gateway/openai/endpoints.py: each with its path)
     "upstream_error",  # why the last hop that failed did, its address included (never in the tenant's answer)
     "overrun_tokens",  # completion tokens beyond the output reserved (max_tokens): made, billed, not admitted
     # upstream | engine_abort | estimate_text | reservation_bound (gateway/request/settle.py); null: no hop
@@ -94,6 +94,7 @@ FIELDS = (
     # the request's OpenTelemetry trace (32 hex characters, the client's own where it sent a traceparent); null
     # with tracing off (config `tracing`)
     "trace_id",
+    "batch_id",  # a batch line's batch (/v1/batches, gateway/batches/); null for every other request
     "seq",
 )
 

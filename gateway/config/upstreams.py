@@ -125,6 +125,10 @@ class PoolConfig:
     # Whose requests share the upstreams' prefix caches (gateway/request/cache_scope.py: the cache_salt each chat and
     # completion is sent with): "team" (a team's own), "key" (an API key's own), "shared" (no salt: everyone's).
     cache_scope: str = "team"
+    # External members that serve OpenAI's /v1/responses themselves: a /v1/responses request is passed to them as
+    # the client sent it (its earlier turns, kept here, written into its input; stored here, not there), billed from
+    # the usage of its response. False: it is translated into a chat (our engines serve no /v1/responses).
+    serves_responses: bool = False
 
     __pydantic_config__ = STRICT
 
@@ -168,6 +172,8 @@ class PoolConfig:
                 raise ValueError(f"pool {self.model}: {name}: {error}")
         if self.prefix_index_entries < 1:
             raise ValueError(f"pool {self.model}: prefix_index_entries >= 1")
+        if self.serves_responses and any(u.engine for u in self.upstreams):
+            raise ValueError(f"pool {self.model}: serves_responses is for external members (engine: false) only")
         if self.tool_call_parser not in (*TOOL_CALL_FORMATS, "none"):
             choices = ", ".join((*TOOL_CALL_FORMATS, "none"))
             raise ValueError(f"pool {self.model}: tool_call_parser must be one of {choices}")

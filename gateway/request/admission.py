@@ -142,7 +142,10 @@ class Admission:
                 403, "This key belongs to no team (admin keys manage the gateway); use a team key.", "no_team"
             )
         self.seen_teams.add(principal.team.id)
-        return RequestContext.admitted(request_scope(request).request_id, principal, body, kind)
+        scope = request_scope(request)
+        ctx = RequestContext.admitted(scope.request_id, principal, body, kind)
+        ctx.batch_id, ctx.responses_body = scope.batch_id, scope.responses_body
+        return ctx
 
     def check_model(self, ctx: RequestContext) -> None:
         if ctx.model not in ctx.pools:
@@ -209,7 +212,7 @@ class Admission:
             return
         # The bounds the upstream honours on this endpoint (the schemas typed them; /v1/completions refused
         # max_completion_tokens): the tightest one bounds the reservation.
-        bounds = [k for k in _LENGTH_FIELDS[ctx.kind] if body.get(k) is not None]
+        bounds = [k for k in _LENGTH_FIELDS[ctx.wire] if body.get(k) is not None]
         requested = min((body[k] for k in bounds), default=None)
         pool = ctx.pools[ctx.model]
 

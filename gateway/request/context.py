@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tokenweir.common.http.request_id import request_id_from
 from tokenweir.gateway.accounting.request_event import clip
-from tokenweir.gateway.openai.endpoints import InferenceKind
+from tokenweir.gateway.openai.endpoints import UPSTREAM_KINDS, InferenceKind
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.outcome import Outcome
 from tokenweir.policies.limits import KeyLimits, TeamLimits
@@ -43,7 +43,7 @@ ADMITTED_FACTS = frozenset(
         "request_id", "kind", "t0", "team_id", "key_id", "model", "priority", "stream", "user", "max_tokens",
         "choices", "alias", "variant", "steered", "limits", "key_limits", "body", "deadline_base", "client_usage",
         "client_continuous", "prompts", "prompt_tokens", "longest_prompt", "prompt_ids", "context_fallback",
-        "cost_reserved", "routes",
+        "cost_reserved", "routes", "responses_body",
     }
 )  # fmt: skip
 
@@ -60,6 +60,10 @@ class RequestScope:
     principal: Principal | None = None  # set by server.callers.require_key
     model: object = None  # the body's "model" as sent (maybe not a string): set by body.parse_body
     accounted: bool = False  # admission took it: its RequestEnd writes its event, not finish_unadmitted
+    batch_id: str | None = None  # a batch line's batch (gateway/batches/line_call.py): named in its event
+    # a /v1/responses request as its upstream gets it where its pool serves /v1/responses (passed through; its
+    # `body` is the chat it is counted, and otherwise served, as): gateway/server/responses_create.py
+    responses_body: dict[str, Any] | None = None
 
 
 def open_scope(asgi_scope: MutableMapping[str, Any], request_id: str) -> RequestScope:
@@ -92,6 +96,7 @@ class RequestRecord:
     priority: int = 0
     stream: bool = False
     user: str | None = None  # the body's `user` (the client's end user), clipped, for the event and usage
+    batch_id: str | None = None  # the batch whose line this request is (gateway/batches/), for the event
     outcome: Outcome = field(default_factory=Outcome)
     max_tokens: int | None = None  # output tokens reserved: choices x the body's max_tokens (0 for embeddings)
     choices: int = 1  # sequences the upstream generates: prompts x max(n, best_of)
@@ -128,6 +133,11 @@ class RequestRecord:
     steered: bool = False  # the variant was picked by the x-tokenweir-variant header: no rollout judges it
     # Its spans when tracing is on (gateway/request/tracing.py), None when off: each tracing hook tests only this
     trace: RequestTrace | None = None
+
+    @property
+    def wire(self) -> InferenceKind:
+        """The kind of request its upstream is sent (a Responses request goes as a chat): its body's shape and path."""
+        return UPSTREAM_KINDS[self.kind]
 
     def note_drafts(self, details: dict[str, Any]) -> None:
         """The upstream's speculative decoding, from OpenAI's prediction-token counts (completion_tokens_details), if
@@ -179,6 +189,7 @@ class RequestContext(RequestRecord):
     kv_transfer_params: dict[str, Any] | None = None
     prefill_pin: Attempt | None = None  # the prefill hop whose engine holds the KV (its /abort lets it go)
     routes: Routes | None = None  # the routing table it was admitted under: its pools to its end, whatever changes
+    responses_body: dict[str, Any] | None = None  # a Responses request's own body (RequestScope.responses_body)
 
     sealed: ClassVar[bool] = False  # SealedRequestContext's is True
 
@@ -187,6 +198,13 @@ class RequestContext(RequestRecord):
         SealedRequestContext, whose __setattr__ guards them: before that, writes cost what a slot's always did (a
         __setattr__ of our own on every context would run for each of the ~60 fields __init__ sets)."""
         self.__class__ = SealedRequestContext
+
+    def hop_kind(self, model: str) -> InferenceKind:
+        """What a hop to pool `model` is sent: a Responses request as it is, to a pool that serves /v1/responses;
+        else the kind its upstream gets (`wire`)."""
+        if self.responses_body is not None and self.pools[model].cfg.serves_responses:
+            return "responses"
+        return self.wire
 
     def start_attempt(self, attempt: Attempt) -> None:
         """Dispatch sends `attempt`: what the event says of the last hop (its route, pool, model version, the

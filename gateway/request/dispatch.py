@@ -77,8 +77,8 @@ class Dispatcher:
             if ctx.prompt_ids is not None and ctx.prompt_ids[0] == pool.cfg.tokenizer:
                 token_ids = ctx.prompt_ids[1]  # admission's count made them with this tokenizer: tokenized once
             else:
-                token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.kind, ctx.body)
-            if token_ids and ctx.kind == "chat":
+                token_ids = prompt_token_ids(pool.cfg.tokenizer, ctx.wire, ctx.body)
+            if token_ids and ctx.wire == "chat":
                 head = head_tokens(pool.cfg.tokenizer, ctx.body, token_ids)
         salt = request_salt(ctx, target)  # the engine keys its cache by it: the index must too
         hops, why, hashes = self.upstreams.route(target, token_ids, ctx.model, ctx.routes, head, salt)
@@ -238,7 +238,12 @@ class Dispatcher:
         return hops
 
     def upstream_body(self, ctx: RequestContext, hop: Hop) -> dict[str, Any]:
-        body = with_salt(ctx.body, request_salt(ctx, hop.model))  # whose prefix cache it may use: its pool's scope
+        if ctx.hop_kind(hop.model) == "responses":  # passed through, held to the output it was reserved
+            assert ctx.responses_body is not None  # hop_kind says so only then
+            source = {**ctx.responses_body, "max_output_tokens": ctx.body["max_tokens"]}
+        else:
+            source = ctx.body
+        body = with_salt(source, request_salt(ctx, hop.model))  # whose prefix cache it may use: its pool's scope
         if hop.instance.cfg.engine:  # the engine schedules by the priority admission decided, never the client's
             body["priority"] = ctx.priority
             if takes_kv(ctx, hop):

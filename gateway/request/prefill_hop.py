@@ -62,7 +62,7 @@ class PrefillHop:
                 traceparent = ctx.trace.hop_traceparent
             failed = False
             try:
-                answer, _ = await attempt.call(KIND_PATHS[ctx.kind], self.body(ctx, hop), deadline, traceparent)
+                answer, _ = await attempt.call(KIND_PATHS[ctx.wire], self.body(ctx, hop), deadline, traceparent)
             except (calls.UpstreamFailed, TimeoutError) as e:
                 failed = True
                 ctx.upstream_error = f"prefill {hop.where}: {e or 'timed out'}"

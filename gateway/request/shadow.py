@@ -92,7 +92,7 @@ class ShadowMirror:
         body = {k: v for k, v in ctx.body.items() if k not in _STREAM_FIELDS}
         body = with_salt(body, request_salt(ctx, ctx.model))  # no team pays for it: the primary's cache scope
         total_s = pool.total_timeout_s or self.config.timeouts.total_s
-        return partial(self.send, Mirror(ctx.model, ctx.pools[pool.shadow_pool], ctx.kind, body, ctx.choices, total_s))
+        return partial(self.send, Mirror(ctx.model, ctx.pools[pool.shadow_pool], ctx.wire, body, ctx.choices, total_s))
 
     def send(self, mirror: Mirror, completion_tokens: int) -> None:
         """The primary has ended, billed `completion_tokens` of output: mirror it in the background, asking at most

@@ -24,6 +24,7 @@ from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.context import RequestContext
 from tokenweir.gateway.request.deadlines import Deadlines
 from tokenweir.gateway.request.request_end import RequestEnd
+from tokenweir.gateway.request.response_events import ResponseEventFilter
 from tokenweir.gateway.request.stream_chunks import ChunkFilter
 from tokenweir.gateway.upstream import calls
 from tokenweir.gateway.upstream.client import HTTPError
@@ -44,13 +45,17 @@ class StreamPump:
         hop = attempt.hop
         attempt.incomplete = attempt.engine
         per_choice = ctx.max_tokens // max(ctx.choices, 1) if ctx.max_tokens else None  # what each was sent
-        chunks = ChunkFilter(
-            ctx.client_usage, ctx.client_continuous, not attempt.engine, time.perf_counter, per_choice, ctx.choices
-        )
+        kind = ctx.hop_kind(hop.model)
+        if kind == "responses":  # passed through to a pool that serves /v1/responses: its events, as they come
+            chunks: ChunkFilter = ResponseEventFilter(False, False, True, time.perf_counter)
+        else:
+            chunks = ChunkFilter(
+                ctx.client_usage, ctx.client_continuous, not attempt.engine, time.perf_counter, per_choice, ctx.choices
+            )
         first: list[bytes] = []
         traceparent = ctx.trace.hop_traceparent if ctx.trace is not None else None
         try:
-            sse = await attempt.open(KIND_PATHS[ctx.kind], body, first_deadline, traceparent)
+            sse = await attempt.open(KIND_PATHS[kind], body, first_deadline, traceparent)
             stream = end.stream = relay.HopStream(sse, chunks)  # from now on whoever ends the request closes it
             while chunks.first_token_at is None and not chunks.done:
                 data = await sse.next(first_deadline)

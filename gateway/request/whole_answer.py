@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.openai.endpoints import KIND_PATHS
+from tokenweir.gateway.openai.responses_output import chat_usage
 from tokenweir.gateway.openai.token_count import TokenCounter
 from tokenweir.gateway.request.attempt import Attempt
 from tokenweir.gateway.request.context import RequestContext
@@ -25,8 +26,9 @@ class WholeAnswer:
     async def call(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any], budget: Deadlines) -> Response:
         attempt.incomplete = attempt.engine
         traceparent = ctx.trace.hop_traceparent if ctx.trace is not None else None
+        kind = ctx.hop_kind(attempt.hop.model)
         try:
-            obj, raw = await attempt.call(KIND_PATHS[ctx.kind], body, budget.total, traceparent)
+            obj, raw = await attempt.call(KIND_PATHS[kind], body, budget.total, traceparent)
         except TimeoutError:
             ctx.outcome.decide("timeout", "total_timeout", 504)
             attempt.instance_ok = not budget.total_blames_instance
@@ -36,6 +38,9 @@ class WholeAnswer:
         attempt.incomplete = False
         ctx.ttft_s = ctx.upstream_end - attempt.dispatched_at + (ctx.prefill_s or 0.0)
         ctx.usage = obj.get("usage")
+        if kind == "responses":  # passed through to a pool that serves /v1/responses: its usage is a response's
+            ctx.usage, ctx.finish_reason = chat_usage(obj)
+            return Response(raw, 200, headers=ctx.rate_headers(), media_type="application/json")
         if isinstance(transfer := obj.get("kv_transfer_params"), dict) and ctx.prefill_instance is not None:
             ctx.kv_transfer = transfer
         if not ctx.usage:

@@ -1,5 +1,5 @@
-"""The inference endpoints' own lane: a POST to /v1/chat/completions, /v1/completions or /v1/embeddings goes from the
-server straight to its handler, past FastAPI's router, dependency solver and middleware stack.
+"""The inference endpoints' own lane: a POST to /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses
+goes from the server straight to its handler, past FastAPI's router, dependency solver and middleware stack.
 
 Why: those layers (Starlette's error and exception middleware, FastAPI's body-limit, telemetry and exit-stack
 middleware, route matching, solving `require_key` and `ServicesDep`) cost more CPU per request than admission and
@@ -25,6 +25,7 @@ from tokenweir.common.http.errors import APIError
 from tokenweir.gateway.deps.callers import require_key
 from tokenweir.gateway.deps.services import Services
 from tokenweir.gateway.openai.endpoints import PATH_KINDS
+from tokenweir.gateway.server.responses_create import create_response
 from tokenweir.gateway.server.routes import inference_response
 
 ErrorHandler = Callable[[Request, APIError], Awaitable[Any]]
@@ -41,7 +42,11 @@ class InferenceLane:
         services: Services = self.app.state.services
         try:
             principal = await require_key(request, services)
-            response = await inference_response(request, services, principal, PATH_KINDS[scope["path"]])
+            kind = PATH_KINDS[scope["path"]]
+            if kind == "responses":  # translated into a chat first (gateway/server/responses_create.py)
+                response = await create_response(request, services, principal)
+            else:
+                response = await inference_response(request, services, principal, kind)
         except APIError as err:
             response = await self.on_error(request, err)
         await response(scope, receive, send)

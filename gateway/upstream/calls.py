@@ -101,9 +101,11 @@ def refusal(hop: Hop, status: int, body: bytes) -> UpstreamFailed | UpstreamReje
 def answer_fault(path: str, answer: object) -> str | None:
     """Why a 200 JSON answer to `path` is no answer (a failure of the hop: the next one may serve the request, and
     nothing of it is relayed or billed), or None: an object with a non-empty list of `choices` (chat, completions)
-    or of `data` (embeddings), each an object."""
+    or of `data` (embeddings), each an object; or a response object (/v1/responses, passed through)."""
     if not isinstance(answer, dict):
         return "an answer that is not a JSON object"
+    if path.endswith("/responses"):
+        return None if answer.get("object") == "response" else "an answer that is not a response object"
     key = "data" if path.endswith("/embeddings") else "choices"
     items = answer.get(key)
     if not isinstance(items, list) or not items or not all(isinstance(item, dict) for item in items):
@@ -178,7 +180,8 @@ async def open_stream(
     extra: Mapping[str, str] | None = None,
 ) -> SSEStream:
     """Send a stream request and wait for a 200 and its headers."""
-    base, content, headers = upstream_request(hop, body, request_id, True, extra)
+    # A Responses stream reports its usage in its last event; its stream_options take no include_usage
+    base, content, headers = upstream_request(hop, body, request_id, not path.endswith("/responses"), extra)
     async with asyncio.timeout_at(deadline):
         try:
             response = await client.request("POST", base + path, content, headers)

@@ -2,11 +2,10 @@
 key, or none for a shared pool), a client's own salt mixed in and never in charge, the same salt in the body sent and
 in the block hashes the router looks up, which are the engine's own."""
 
-from types import SimpleNamespace
-
 import pytest
 from pydantic import ValidationError
 
+from tests.support.context_stand_in import ContextStandIn
 from tests.unit.gateway.test_prefix_routing import _load, _upstreams
 from tokenweir.common.text.prefix_hash import block_hashes
 from tokenweir.engine.sched.block_manager import BlockManager
@@ -84,8 +83,8 @@ def _dispatcher(scope: str = "team") -> tuple[Dispatcher, Upstreams]:
     return Dispatcher(GatewayConfig(), upstreams, None, Metrics(), None, None, None, None), upstreams
 
 
-def _ctx(upstreams: Upstreams, team: str, key: str, model: str = "m", **body) -> SimpleNamespace:
-    return SimpleNamespace(
+def _ctx(upstreams: Upstreams, team: str, key: str, model: str = "m", **body) -> ContextStandIn:
+    return ContextStandIn(
         model=model,
         kind="completions",
         body={"model": model, "prompt": PROMPT, **body},

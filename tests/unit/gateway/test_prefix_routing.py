@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.context_stand_in import ContextStandIn
 from tokenweir.common.text.prefix_hash import block_hashes, probe
 from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.config import GatewayConfig, PoolConfig, UpstreamConfig
@@ -98,7 +99,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     # routing uses no client, member slots, background tasks, token counts or settler
     dispatcher = Dispatcher(GatewayConfig(), upstreams, None, metrics, None, None, None, None)
     # a prompt of token ids needs no tokenizer; a text prompt in a pool that names none goes by load
-    ctx = SimpleNamespace(
+    ctx = ContextStandIn(
         model="m",
         kind="completions",
         body={"prompt": TEAM},
@@ -114,7 +115,7 @@ def test_dispatcher_puts_the_decision_on_the_request_and_in_metrics():
     hops, hashes = dispatcher.route(ctx)
     assert ctx.route_reason["reason"] == "prefix_home" and ctx.route_reason["instance"] == hops[0].instance.name
     assert hashes == block_hashes(TEAM, 16, salt=cache_salt("team", "t", "k"))  # the pool's cache scope: the team's
-    text_ctx = SimpleNamespace(
+    text_ctx = ContextStandIn(
         model="m",
         kind="completions",
         body={"prompt": "hello"},
@@ -186,7 +187,7 @@ def test_a_plain_chats_count_gives_the_engines_ids_and_routing_uses_them_without
     real = tok.encode_chat
     tok.encode_chat = lambda messages, *a: encoded.append(messages) or real(messages, *a)  # counts, then encodes
     try:
-        ctx = SimpleNamespace(
+        ctx = ContextStandIn(
             model="m", kind="chat", body={"model": "m", "messages": plain}, route_reason=None, context_fallback=None,
             prompt_ids=("default", ids), alias=None, routes=upstreams.routes, pools=upstreams.pools, team_id="t",
             key_id="k",
@@ -222,7 +223,7 @@ def test_a_completions_count_gives_the_engines_ids_and_routing_uses_them_without
     real = tok.encode
     tok.encode = lambda s, **kw: encoded.append(s) or real(s, **kw)
     try:
-        ctx = SimpleNamespace(
+        ctx = ContextStandIn(
             model="m", kind="completions", body={"model": "m", "prompt": text}, route_reason=None,
             context_fallback=None, prompt_ids=("default", ids), alias=None, routes=upstreams.routes,
             pools=upstreams.pools, team_id="t", key_id="k",
