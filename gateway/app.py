@@ -32,6 +32,7 @@ from tokenweir.gateway.accounting.metrics import Metrics
 from tokenweir.gateway.accounting.usage import UsageRecorder
 from tokenweir.gateway.admin.teams import router as admin_router
 from tokenweir.gateway.auth.authenticator import Authenticator
+from tokenweir.gateway.batches.service import BatchService
 from tokenweir.gateway.config import GatewayConfig, config_digest
 from tokenweir.gateway.deps.request_path import RequestPath
 from tokenweir.gateway.deps.services import Services, services_of
@@ -42,8 +43,11 @@ from tokenweir.gateway.request.inflight import Recovery
 from tokenweir.gateway.request.queue import DispatchQueue
 from tokenweir.gateway.runtime.rollouts import Rollouts
 from tokenweir.gateway.runtime.routing_sync import RoutingSync
+from tokenweir.gateway.server.batches import router as batches_router
+from tokenweir.gateway.server.files import router as files_router
 from tokenweir.gateway.server.lane import GatewayApp, InferenceLane
 from tokenweir.gateway.server.probes import router as probes_router
+from tokenweir.gateway.server.responses import router as responses_router
 from tokenweir.gateway.server.routes import router
 from tokenweir.gateway.startup import replay_usage, seed_state
 from tokenweir.gateway.state.memory import InMemoryState
@@ -100,8 +104,9 @@ def create_app(
             routing = RoutingSync(
                 upstreams, st, config.pools, config.aliases, discovery, api_key_envs=config.api_key_envs
             )
-            decisions = Path(config.events.path).with_suffix(".rollouts.jsonl")
-            rollouts = Rollouts(upstreams, st, routing, metrics, decisions)
+            rollouts = Rollouts(
+                upstreams, st, routing, metrics, Path(config.events.path).with_suffix(".rollouts.jsonl")
+            )
             path = RequestPath(
                 config, upstreams, state, queues, client, events, metrics, usage, outbox, background, rollouts
             )
@@ -122,6 +127,8 @@ def create_app(
                 background=background,
                 routing=routing,
                 rollouts=rollouts,
+                # its runner's lease owner: this process's writer id (gateway/batches/runner.py)
+                batches=BatchService.for_replica(st, config, path.admission, path.settler, queues, metrics, writer),
             )
             if on_started is not None:
                 on_started(services)
@@ -159,6 +166,8 @@ def create_app(
             opened.push_async_callback(rollouts.judge.close)
             # First at shutdown: the requests cut at shutdown still abort, settle and write their event.
             opened.push_async_callback(background.wait)
+            # Batches start once everything above serves, and stop first: their running lines end within the grace
+            await opened.enter_async_context(services.batches)
             log.info(
                 "gateway_started", pools=list(upstreams.pools), store=config.store_url if store is None else "given"
             )
@@ -166,14 +175,15 @@ def create_app(
         log.info("gateway_stopped")
 
     app = GatewayApp(title="tokenweir gateway", version="0.1.0", lifespan=lifespan)
-    app.include_router(probes_router)
-    app.include_router(router)
-    app.include_router(admin_router)
+    for routes in (probes_router, router, responses_router, admin_router, files_router, batches_router):
+        app.include_router(routes)
     # Starlette types a handler as taking any Exception, though it calls each with its own class (starlette#2417)
     app.add_exception_handler(APIError, _api_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
-    app.add_middleware(RequestMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        RequestMiddleware, max_body_bytes=config.max_body_bytes, upload_bytes=config.batches.max_file_bytes
+    )
     app.lane = RequestMiddleware(InferenceLane(app, _api_error_handler), max_body_bytes=config.max_body_bytes)
     return app
 
@@ -228,6 +238,9 @@ async def _http_handler(_request, exc: StarletteHTTPException):
     return error_response(APIError(exc.status_code, message, codes.get(exc.status_code), headers=exc.headers))
 
 
+UPLOAD_PATH = "/v1/files"
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -235,8 +248,17 @@ class BodyTooLarge(Exception):
 class RequestMiddleware:
     """Pure ASGI (cheap): request id in and out, the body size limit, and a last-resort OpenAI-shaped 500."""
 
-    def __init__(self, app, max_body_bytes: int) -> None:
+    def __init__(self, app, max_body_bytes: int, upload_bytes: int | None = None) -> None:
         self.app, self.max_body_bytes = app, max_body_bytes
+        self.upload_bytes = upload_bytes  # /v1/files uploads' own bound (batches.max_file_bytes)
+
+    def body_limit(self, path: str) -> tuple[int, APIError]:
+        """The largest body `path` takes, and the 413 over it."""
+        if path == UPLOAD_PATH and self.upload_bytes is not None:
+            limit, what, code = self.upload_bytes, "file upload", "file_too_large"
+        else:
+            limit, what, code = self.max_body_bytes, "request body", "body_too_large"
+        return limit, APIError(413, f"The {what} is larger than the gateway's limit of {limit} bytes.", code)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -270,12 +292,8 @@ class RequestMiddleware:
             await send_with_id({"type": "http.response.start", "status": err.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-        too_large = APIError(
-            413,
-            f"The request body is larger than the gateway's limit of {self.max_body_bytes} bytes.",
-            "body_too_large",
-        )
-        if length is not None and length > self.max_body_bytes:
+        max_body_bytes, too_large = self.body_limit(scope["path"])
+        if length is not None and length > max_body_bytes:
             clear_request()
             return await error(too_large)
         seen = 0
@@ -285,7 +303,7 @@ class RequestMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
+                if seen > max_body_bytes:
                     raise BodyTooLarge
             return message
 

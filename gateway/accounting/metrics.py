@@ -76,6 +76,9 @@ class Metrics:
             p + "completion_tokens", "Billed completion tokens", ["team", "model"], registry=r
         )
         self.rejections = Counter(p + "rejections", "Requests shed by reason", ["reason"], registry=r)
+        # /v1/batches lines by how they ended: completed (2xx), failed (answered otherwise), or never answered:
+        # budget_exhausted, batch_expired, batch_cancelled, interrupted (in flight when its replica died)
+        self.batch_lines = Counter(p + "batch_lines", "Batch lines ended, by outcome", ["outcome"], registry=r)
         self.direct_bills = Counter(
             p + "direct_bills",
             "Requests whose event or in-flight journal line could not be written (a full disk), billed straight to "

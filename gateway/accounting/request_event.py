@@ -98,6 +98,8 @@ class EventFacts(Protocol):
     def steered(self) -> bool: ...
     @property
     def trace(self) -> EventTrace | None: ...
+    @property
+    def batch_id(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,7 @@ def request_event(
         "user": record.user,
         "cost": None if billed.cost is None else femtos_to_usd(billed.cost),  # unrounded: a sum of events stays exact
         "trace_id": record.trace.trace_id if record.trace is not None else None,
+        "batch_id": record.batch_id,
     }
     if record.prefill_instance is not None:
         event["prefill_instance"], event["prefill_ms"] = record.prefill_instance, ms(record.prefill_s)

@@ -23,6 +23,7 @@ from tokenweir.gateway.config.base import (
     OTHER_ENV,
     member_key_env_error,
 )
+from tokenweir.gateway.config.batches import BatchesConfig
 from tokenweir.gateway.config.discovery import DiscoveryConfig, nameserver_address
 from tokenweir.gateway.config.engine import BundledEngineConfig
 from tokenweir.gateway.config.gateway import GatewayConfig, config_digest
@@ -39,6 +40,7 @@ __all__ = [
     "MEMBER_KEY_PREFIX",
     "OTHER_ENV",
     "AliasConfig",
+    "BatchesConfig",
     "BreakerConfig",
     "BundledEngineConfig",
     "DiscoveryConfig",

@@ -14,6 +14,7 @@ from tokenweir.gateway.config.base import (
     STRICT,
     member_key_env_error,
 )
+from tokenweir.gateway.config.batches import BatchesConfig
 from tokenweir.gateway.config.discovery import DiscoveryConfig
 from tokenweir.gateway.config.engine import BundledEngineConfig
 from tokenweir.gateway.config.observability import EventsConfig, TracingConfig
@@ -38,6 +39,7 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)  # OpenTelemetry; off by default
+    batches: BatchesConfig = field(default_factory=BatchesConfig)  # /v1/files and /v1/batches (OpenAI batch jobs)
     engine: BundledEngineConfig = field(default_factory=BundledEngineConfig)
     # The gateway's HTTP server, per connection: head size, field count and deadline, body pauses, idle
     # keep-alive, open connections per process (common/http/door_limits.py).

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tokenweir.gateway.accounting.metrics import Metrics
     from tokenweir.gateway.accounting.usage import UsageRecorder
     from tokenweir.gateway.auth.authenticator import Authenticator
+    from tokenweir.gateway.batches.service import BatchService
     from tokenweir.gateway.config import GatewayConfig
     from tokenweir.gateway.deps.request_path import RequestPath
     from tokenweir.gateway.request.background import BackgroundTasks
@@ -48,6 +49,7 @@ class Services:
     background: BackgroundTasks  # what cancelled requests still run (their settle): shutdown waits for it
     routing: RoutingSync  # runtime pools and aliases: the store's, applied here
     rollouts: Rollouts  # aliases' canaries judged on this replica's traffic
+    batches: BatchService  # /v1/files and /v1/batches; its runner runs batches' lines through `path`
 
     @classmethod
     def partial(cls, **given: Any) -> Services:

@@ -87,6 +87,8 @@ class InflightJournal:
         line |= {"model": ctx.model, "kind": ctx.kind, "stream": ctx.stream, "priority": ctx.priority, "user": ctx.user}
         line |= {"prompt": ctx.prompt_tokens, "max": ctx.max_tokens, "ts": time.time(), "local": ctx.local_state}
         line |= {"res_id": shared, "res_key": getattr(res, "key_id", None)}
+        if ctx.batch_id is not None:  # a batch line's recovered event names its batch too (gateway/batches/job.py)
+            line["batch"] = ctx.batch_id
         self._append(ctx, line)
 
     def slot(self, ctx: RequestContext, *, lease_id: str, key_id: str | None) -> None:
@@ -280,6 +282,7 @@ class Recovery:
             served_model=last["served"] if last else None,
             upstream_id=last["uid"] if last else "",
             usage_source=source,
+            batch_id=res["batch"] if isinstance(res.get("batch"), str) else None,
         )
         tokens = (prompt or 0) + (completion or 0)
         cost = self.settler.cost(ctx, prompt or 0, completion or 0, 0) if prompt is not None else None

@@ -154,6 +154,15 @@ class DispatchQueue:
         self._mean_hold_s += 0.1 * (held - self._mean_hold_s)
         self._dispatch()
 
+    def waiting_before(self, band: int) -> int:
+        """Waiters of the bands served before `band` (a lower number): the batch runner starts a line only when
+        none of the interactive bands waits (gateway/batches/job.py)."""
+        return sum(len(fifo) for p, b in self._bands.items() if p < band for fifo in b.waiters.values())
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.capacity - self._in_use)
+
     def set_capacity(self, n: int) -> None:
         """Resize the pool. Shrinking lets in-use slots drain; growing wakes waiters at once."""
         assert n >= 0

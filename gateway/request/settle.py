@@ -79,20 +79,7 @@ class Settler:
     def finish_unadmitted(self, scope: RequestScope, kind: InferenceKind, err: APIError) -> None:
         """The end of a request refused before admission (bad key, malformed body, an admin key, a client gone while
         its body was read): nothing was taken, so only its one event. Its team, key and model may be unknown."""
-        principal = scope.principal
-        team = principal.team if principal is not None else None
-        gone = err.code == "client_disconnected"
-        record = RequestRecord(
-            request_id=scope.request_id,
-            kind=kind,
-            t0=scope.t0,
-            team_id=team.id if team is not None else None,
-            key_id=principal.key.id if principal is not None else None,
-            model=scope.model if isinstance(scope.model, str) else None,
-            priority=team.limits.priority if team is not None else 0,
-            outcome=Outcome("cancelled" if gone else "rejected", err.code, err.status, disconnected=gone),
-        )
-        self.events.emit(self.event(record, time.perf_counter(), 0, 0, 0))
+        self.events.emit(self.event(unadmitted_record(scope, kind, err), time.perf_counter(), 0, 0, 0))
 
     def release_hop(self, ctx: RequestContext, ok: bool) -> None:
         """The request's live attempt is done with (once): its instance hears `ok`, its member slot goes back."""
@@ -366,3 +353,21 @@ class Settler:
             return
         ttft, tpot = (ctx.ttft_s, tpot) if ok else (None, None)
         self.rollouts.observe(ctx.alias, ctx.variant, ctx.model, ok, ttft, tpot, ctx.t0)
+
+
+def unadmitted_record(scope: RequestScope, kind: InferenceKind, err: APIError) -> RequestRecord:
+    """The record of a request refused before admission, as its scope knows it."""
+    principal = scope.principal
+    team = principal.team if principal is not None else None
+    gone = err.code == "client_disconnected"
+    return RequestRecord(
+        request_id=scope.request_id,
+        kind=kind,
+        t0=scope.t0,
+        team_id=team.id if team is not None else None,
+        key_id=principal.key.id if principal is not None else None,
+        model=scope.model if isinstance(scope.model, str) else None,
+        priority=team.limits.priority if team is not None else 0,
+        outcome=Outcome("cancelled" if gone else "rejected", err.code, err.status, disconnected=gone),
+        batch_id=scope.batch_id,
+    )

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from tokenweir.gateway.store import keys
+from tokenweir.gateway.store.batches import BatchQueries
 from tokenweir.gateway.store.db import (
     MIGRATIONS_DIR,
     Db,
@@ -31,6 +32,7 @@ from tokenweir.gateway.store.db import (
     parse_ts,
     sqlite_connect,
 )
+from tokenweir.gateway.store.files import FileQueries
 from tokenweir.gateway.store.records import (
     KEY_SELECT,
     TEAM_SELECT,
@@ -41,6 +43,7 @@ from tokenweir.gateway.store.records import (
     write_key_limits,
     write_limits,
 )
+from tokenweir.gateway.store.responses import ResponseQueries
 from tokenweir.gateway.store.routing import RoutingQueries
 from tokenweir.gateway.store.usage import UsageQueries, UsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
@@ -65,9 +68,10 @@ class Conflict(StoreError):
     pass
 
 
-class Store(UsageQueries, RoutingQueries):
+class Store(UsageQueries, RoutingQueries, FileQueries, BatchQueries, ResponseQueries):
     """Teams, limits and keys here; the usage rows' writes and reads come from `UsageQueries`, the run-time pools'
-    and aliases' from `RoutingQueries`."""
+    and aliases' from `RoutingQueries`, batch jobs' files and batches from `FileQueries` and `BatchQueries`,
+    /v1/responses' stored responses from `ResponseQueries`."""
 
     def __init__(self, connect: Any, postgres: bool, pepper: bytes | None) -> None:
         self._connect = connect

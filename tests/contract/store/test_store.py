@@ -10,11 +10,12 @@ import pytest
 
 from tests.support.store import open_store, pg_schema_url
 from tokenweir.gateway.store import keys
-from tokenweir.gateway.store.db import DB_ERRORS, split_sql
+from tokenweir.gateway.store.db import DB_ERRORS, migration_files, split_sql
 from tokenweir.gateway.store.store import Conflict, NotFound, Store, UsageRow
 from tokenweir.gateway.store.usage import KeyUsageRow
 from tokenweir.policies.limits import KeyLimits, TeamLimits
 
+ALL_VERSIONS = [version for version, _ in migration_files()]  # every migration the package ships, in order
 SCHEMA_VERSION_DDL = "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name TEXT, applied_at TEXT)"
 
 
@@ -25,9 +26,11 @@ def store(request, tmp_path):
 
 
 def test_migrations_recorded_once(store: Store):
-    assert store.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
+    assert ALL_VERSIONS[:7] == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(set(ALL_VERSIONS)) == ALL_VERSIONS
+    assert store.schema_versions() == ALL_VERSIONS
     assert store.migrate() == []  # a second start applies nothing
-    assert store.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
+    assert store.schema_versions() == ALL_VERSIONS
 
 
 def test_usage_watermark_lands_with_its_rows_and_never_goes_back(store: Store):
@@ -225,14 +228,14 @@ def test_postgres_replicas_migrate_concurrently():
         for t in threads:
             t.join()
         assert errors == [] and len(stores) == 3
-        assert stores[0].schema_versions() == [1, 2, 3, 4, 5, 6, 7]
+        assert stores[0].schema_versions() == ALL_VERSIONS
         for s in stores:
             s.close()
 
 
 def test_sqlite_url_forms_and_wal(tmp_path):
     mem = Store.open("sqlite://:memory:")
-    assert mem.schema_versions() == [1, 2, 3, 4, 5, 6, 7]
+    assert mem.schema_versions() == ALL_VERSIONS
     mem.close()
     store = Store.open(f"sqlite:///{tmp_path}/nested/dir/x.db")
     assert (tmp_path / "nested/dir/x.db").exists()
