@@ -106,7 +106,7 @@ class BatchJob:
         try:
             for i, line in enumerate(todo):
                 await slots.acquire()
-                if not await self.may_start(line):
+                if not await self.may_start(line, running):
                     slots.release()
                     left = todo[i:]
                     break
@@ -147,15 +147,23 @@ class BatchJob:
                 return
             await asyncio.sleep(_SEATING_S)
 
-    async def may_start(self, line: InputLine) -> bool:
-        """Whether `line` may start now; waits while interactive requests queue, or while its pool has no more free
-        slots than the headroom kept for interactive arrivals."""
-        headroom, pool = self.deps.config.interactive_headroom, self.headroom_pool(line)
+    async def may_start(self, line: InputLine, running: set[asyncio.Task[None]]) -> bool:
+        """Whether `line` may start now; waits while interactive requests queue, while its pool has no more free
+        slots than the headroom kept for interactive arrivals, or while interactive requests are in flight there and
+        `concurrency_beside_interactive` lines of this batch already run."""
+        config, pool = self.deps.config, self.headroom_pool(line)
+        own = self.deps.queues.get(line.model) if line.model is not None else None
         while True:
             if self.closing or await self.stopped():
                 return False
             interactive_waits = any(q.waiting_before(PRIORITY_BATCH) for q in self.deps.queues.values())
-            if not interactive_waits and (pool is None or pool.free_slots > headroom):
+            beside = own is not None and own.in_use_before(PRIORITY_BATCH) > 0
+            crowded = beside and len(running) >= config.concurrency_beside_interactive
+            if (
+                not interactive_waits
+                and not crowded
+                and (pool is None or pool.free_slots > config.interactive_headroom)
+            ):
                 return True
             await asyncio.sleep(_PACING_S)
 

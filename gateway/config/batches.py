@@ -22,6 +22,10 @@ class BatchesConfig:
     # pool has more free slots than this, so a new interactive request finds one instead of waiting for a batch line
     # to end (its TTFT). 0: a line may take any free slot. Applies to lines naming a pool (not an alias).
     interactive_headroom: int = 0
+    # Lines of one batch in flight at once on this replica while interactive requests are in flight in the line's
+    # pool: the engines run batch lines beside interactive ones in the same steps, so each line there slows every
+    # interactive request's first token; fewer lines keep it (a batch then runs at full `concurrency` in the gaps)
+    concurrency_beside_interactive: int = 1
     # How long a batch's completion_window ("24h", the only one OpenAI accepts) lasts, in seconds: what is not done
     # by then is failed as batch_expired. Lower it to give batches a tighter deadline (or in tests).
     completion_window_s: float = 24 * 3600.0
@@ -36,6 +40,10 @@ class BatchesConfig:
         for name in ("max_file_bytes", "max_lines", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"batches.{name}: at least 1, got {getattr(self, name)!r}")
+        if self.concurrency_beside_interactive < 1 or self.concurrency_beside_interactive > self.concurrency:
+            raise ValueError(
+                f"batches.concurrency_beside_interactive: 1 to concurrency, got {self.concurrency_beside_interactive!r}"
+            )
         if self.interactive_headroom < 0:
             raise ValueError(f"batches.interactive_headroom: at least 0, got {self.interactive_headroom!r}")
         for name in ("completion_window_s", "lease_s", "poll_interval_s"):

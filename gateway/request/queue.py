@@ -84,6 +84,7 @@ class DispatchQueue:
         self._queued = 0
         self._bands: dict[int, _Band] = {}
         self._in_use_by_team: dict[str, int] = {}
+        self._in_use_by_band: dict[int, int] = {}
         self._queued_by_team: dict[str, int] = {}
         self._mean_hold_s = hold_estimate_s  # EWMA of how long a slot is held, for Retry-After
         self.dispatched = 0
@@ -159,6 +160,11 @@ class DispatchQueue:
         none of the interactive bands waits (gateway/batches/job.py)."""
         return sum(len(fifo) for p, b in self._bands.items() if p < band for fifo in b.waiters.values())
 
+    def in_use_before(self, band: int) -> int:
+        """Slots held by requests of the bands served before `band`: interactive requests in flight, which the batch
+        runner yields to (gateway/batches/job.py)."""
+        return sum(n for p, n in self._in_use_by_band.items() if p < band)
+
     @property
     def free_slots(self) -> int:
         return max(0, self.capacity - self._in_use)
@@ -194,12 +200,14 @@ class DispatchQueue:
         ticket.granted_at = time.monotonic()
         self._in_use += 1
         self._in_use_by_team[ticket.team_id] = self._in_use_by_team.get(ticket.team_id, 0) + 1
+        self._in_use_by_band[ticket.priority] = self._in_use_by_band.get(ticket.priority, 0) + 1
         self.dispatched += 1
 
     def _free(self, ticket: Ticket) -> None:
         ticket.released = True
         self._in_use -= 1
         _dec(self._in_use_by_team, ticket.team_id)
+        _dec(self._in_use_by_band, ticket.priority)
 
     def _enqueue(self, waiter: _Waiter, weight: int) -> None:
         ticket = waiter.ticket

@@ -297,3 +297,35 @@ async def test_batch_lines_leave_the_interactive_headroom_of_their_pool_free(tmp
             batch = await run_batch(client, chat_lines(9, fake={"ttft_ms": 60}))
     assert batch.request_counts.completed == 9
     assert fake.peak_in_progress == 2, "three slots, one left free: two lines at once, never three"
+
+
+async def test_beside_an_interactive_request_in_flight_a_batch_runs_one_line_at_a_time(tmp_path):
+    fake = FakeUpstream(model=MODEL)
+    with open_store("sqlite", tmp_path) as store, ServerThread(fake) as upstream:
+        config = GatewayConfig(
+            port=0,
+            pools=[PoolConfig(model=MODEL, upstreams=[UpstreamConfig(upstream.url)], capacity=8)],
+            events=EventsConfig(path=str(tmp_path / "events.jsonl")),
+            batches=BatchesConfig(concurrency=4, poll_interval_s=0.1, concurrency_beside_interactive=1),
+        )
+        with serve_app(config, store=store) as gw:
+            _, secret = team({"store": store})
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=secret, max_retries=0)
+            ask = [{"role": "user", "content": "a long answer"}]
+            slow = asyncio.create_task(
+                client.chat.completions.create(
+                    model=MODEL, messages=ask, max_tokens=3, extra_body={"fake": {"ttft_ms": 4000}}
+                )
+            )
+            for _ in range(200):  # the interactive request is in flight at the upstream
+                if fake.in_progress:
+                    break
+                await asyncio.sleep(0.01)
+            batch = await run_batch(client, chat_lines(6, fake={"ttft_ms": 60}))
+            assert not slow.done(), "the batch ran while the interactive request was in flight"
+            assert batch.request_counts.completed == 6
+            assert fake.peak_in_progress == 2, "one interactive request and one batch line at a time, never more"
+            await slow
+            alone = await run_batch(client, chat_lines(8, fake={"ttft_ms": 200}))
+    assert alone.request_counts.completed == 8
+    assert fake.peak_in_progress == 4, "with no interactive request in flight, the batch's full concurrency"
