@@ -23,13 +23,15 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenweir.gateway.config import PoolConfig
 from tokenweir.policies.decisions import Rejected
 from tokenweir.policies.limits import PRIORITY_STANDARD
 from tokenweir.policies.priority import StrideScheduler, band_of, pick_displaced
 from tokenweir.policies.retry import queue_retry_after
+
+K = TypeVar("K")  # a count's key: a team id, a band
 
 _ids = itertools.count(1)
 
@@ -295,7 +297,7 @@ def queue_for(queues: dict[str, DispatchQueue], pool: PoolConfig) -> DispatchQue
     return queue
 
 
-def _dec(counts: dict[str, int], key: str) -> None:
+def _dec(counts: dict[K, int], key: K) -> None:
     counts[key] -= 1
     if counts[key] == 0:
         del counts[key]
