@@ -71,6 +71,7 @@ def walk(so: StructuredOutputs, tok: Tokenizer, matcher, forced: list[int], rng:
     raise AssertionError(f"no stop after 400 steps: {tok.decode(ids)!r}")
 
 
+@pytest.mark.slow  # ~15 s of mask walks: with the rest, not in the fast loop
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
 @pytest.mark.parametrize("parallel", [True, False])
 def test_every_call_a_walk_makes_validates_against_its_function(so, tok, name, parallel):
