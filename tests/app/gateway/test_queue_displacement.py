@@ -37,10 +37,10 @@ class GatedUpstream(FakeUpstream):
 
     gate: threading.Event = field(default_factory=threading.Event)
 
-    async def _complete(self, send, req, record, n_tokens, knobs, chat) -> None:
+    async def _complete(self, send, req, record, n_tokens, knobs, chat, end) -> None:
         while knobs.get("gate") and not self.gate.is_set():
             await asyncio.sleep(0.005)
-        await super()._complete(send, req, record, n_tokens, knobs, chat)
+        await super()._complete(send, req, record, n_tokens, knobs, chat, end)
 
 
 @pytest.fixture(params=["memory", "redis"])
