@@ -251,7 +251,8 @@ def test_tool_calls_follow_their_schemas(served):
 def test_an_agent_loop_on_calls_the_model_chooses(served, smollm2_tokenizer):
     """tool_choice left out ("auto"): the engine shows the tools in the hermes format and keeps any call the model
     starts to a valid one. SmolLM2-135M seldom starts one unprompted, so the client nudges it with OpenAI's own
-    logit_bias toward the "<" that opens a call; what follows the opening is the model's and the grammar's."""
+    logit_bias toward the "<" that opens a call; what follows the opening is the model's and the grammar's.
+    (Sampled runs, 50 a setting: loadtests/tool_agent.py; the grammar under random tokens: test_tool_parsers.py.)"""
     nudge = {str(smollm2_tokenizer.encode("<")[0]): 8}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     ask = dict(model=MODEL, tools=TOOLS, max_tokens=60, temperature=0, logit_bias=nudge, parallel_tool_calls=False)
@@ -272,19 +273,10 @@ def test_an_agent_loop_on_calls_the_model_chooses(served, smollm2_tokenizer):
     # the result goes back as a tool turn; the model answers it, or calls again (validly)
     result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}
     turn = [*WEATHER_ASK, choice.message.model_dump(exclude_none=True), result]
-    second = served.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, max_tokens=40, temperature=0)
+    second = served.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, max_tokens=24, temperature=0)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10, "the call and its result are in the prompt"
     for again in second.choices[0].message.tool_calls or []:
         jsonschema.validate(json.loads(again.function.arguments), schemas[again.function.name])
-
-    sampled = [
-        served.chat.completions.create(messages=WEATHER_ASK, **{**ask, "temperature": 0.7, "seed": seed})
-        for seed in range(8)
-    ]
-    calls = [c for r in sampled for c in r.choices[0].message.tool_calls or []]
-    assert len(calls) >= 3, [r.choices[0].message for r in sampled]
-    for made in calls:
-        jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
 
 
 def call_arguments(chat) -> str:
