@@ -57,19 +57,19 @@ def tool_conversation(
     fmt = fmt or "hermes"
     assert fmt in TOOL_CALL_FORMATS, fmt
     out: list[dict[str, Any]] = []
+    previous_role = None
     for m in messages:
         if m.get("role") == "tool":
             result = _tool_result(m, fmt)
-            if out and out[-1].get("_results"):  # a run of results: one user turn
+            if previous_role == "tool":  # a run of results: one user turn
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "_results": True})
+                out.append({"role": "user", "content": result})
         elif m.get("role") == "assistant" and m.get("tool_calls"):
             out.append({"role": "assistant", "content": _calls_text(m, fmt)})
         else:
             out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
-    for m in out:
-        m.pop("_results", None)
+        previous_role = m.get("role")
     if tools:
         out = _with_tools_prompt(out, tools, fmt)
     return out, None

@@ -129,11 +129,13 @@ class BatchJob:
             await asyncio.gather(*running, return_exceptions=True)
         return left
 
+    def pool_of(self, line: InputLine) -> DispatchQueue | None:
+        """The dispatch queue of the pool `line` names, if it names one (not an alias)."""
+        return self.deps.queues.get(line.model) if line.model is not None else None
+
     def headroom_pool(self, line: InputLine) -> DispatchQueue | None:
         """The pool whose free slots pace `line` (its model's, with a headroom set), else None."""
-        if not self.deps.config.interactive_headroom or line.model is None:
-            return None
-        return self.deps.queues.get(line.model)
+        return self.pool_of(line) if self.deps.config.interactive_headroom else None
 
     async def until_seated(self, line: InputLine, task: asyncio.Task[None]) -> None:
         """With a headroom, the next line is judged once this one holds its slot (or ended, or a moment passed):
@@ -151,19 +153,15 @@ class BatchJob:
         """Whether `line` may start now; waits while interactive requests queue, while its pool has no more free
         slots than the headroom kept for interactive arrivals, or while interactive requests are in flight there and
         `concurrency_beside_interactive` lines of this batch already run."""
-        config, pool = self.deps.config, self.headroom_pool(line)
-        own = self.deps.queues.get(line.model) if line.model is not None else None
+        config, own, headroom = self.deps.config, self.pool_of(line), self.headroom_pool(line)
         while True:
             if self.closing or await self.stopped():
                 return False
             interactive_waits = any(q.waiting_before(PRIORITY_BATCH) for q in self.deps.queues.values())
             beside = own is not None and own.in_use_before(PRIORITY_BATCH) > 0
             crowded = beside and len(running) >= config.concurrency_beside_interactive
-            if (
-                not interactive_waits
-                and not crowded
-                and (pool is None or pool.free_slots > config.interactive_headroom)
-            ):
+            kept = headroom is None or headroom.free_slots > config.interactive_headroom
+            if not interactive_waits and not crowded and kept:
                 return True
             await asyncio.sleep(_PACING_S)
 
